@@ -1,0 +1,379 @@
+"""Engine configuration: EngineArgs (what users pass) -> EngineConfig (validated, what workers get).
+
+Every check raises ConfigError naming the field, the bad value and the fix. Nothing here imports
+torch at module level or touches a device.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine_ref import envs
+from engine_ref.errors import ConfigError, MissingConfigField, UnknownArchitectureError
+from engine_ref.utils import parse_size
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine_ref.model_executor.models.registry import ModelInfo, _ModelRegistry
+
+DTYPES = {
+    "float32": "float32", "float": "float32", "fp32": "float32",
+    "float16": "float16", "half": "float16", "fp16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}
+LOAD_FORMATS = ("safetensors", "dummy", "pt")
+DEVICES = ("cpu", "cuda")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+DEFAULT_CPU_DEVICE_MEMORY = "4GiB"
+DEFAULT_READY_TIMEOUT_S = 300.0
+
+
+class HFConfig(dict):
+    """A parsed config.json: a dict whose keys also read as attributes.
+
+    A missing key raises MissingConfigField (an AttributeError too), so ``getattr(c, k, default)``
+    works and a model that needs a field gets a message naming it.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise MissingConfigField(
+                f"config.json has no field {name!r}, which this architecture needs; add it to config.json."
+            ) from None
+
+    def __getstate__(self) -> dict:
+        return dict(self)
+
+    def __setstate__(self, state: dict) -> None:
+        self.update(state)
+
+    @classmethod
+    def from_file(cls, path: Path) -> HFConfig:
+        try:
+            return json.loads(path.read_text(), object_hook=cls)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON ({e}); fix or regenerate config.json.") from None
+
+
+def get_text_config(hf_config: HFConfig) -> HFConfig:
+    """The language model's config: ``text_config`` for multimodal models, else the config itself."""
+    return hf_config.get("text_config") or hf_config
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name}={value!r} must be a positive integer.")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to run: a Hugging Face layout directory, its dtype and context length."""
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    hf_config: HFConfig = field(init=False, repr=False)
+    architecture: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        path = Path(self.model)
+        if not path.is_dir():
+            raise ConfigError(
+                f"model={self.model!r} is not a directory; pass a Hugging Face layout directory "
+                f"(config.json + *.safetensors), e.g. one written by `engine-ref make-checkpoint ARCH DIR`."
+            )
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise ConfigError(f"model={self.model!r} has no config.json; a model directory needs config.json.")
+        self.hf_config = HFConfig.from_file(config_path)
+        archs = self.hf_config.get("architectures")
+        if not archs or not isinstance(archs, list):
+            raise ConfigError(
+                f"{config_path} has no 'architectures' list; add e.g. \"architectures\": [\"LlamaForCausalLM\"]."
+            )
+        self.architecture = archs[0]
+        self.dtype = self._resolve_dtype()
+        text = get_text_config(self.hf_config)
+        for name in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
+            if name not in text:
+                raise MissingConfigField(f"{config_path} lacks {name!r}, which every language model needs.")
+            _positive_int(f"config.json {name}", text[name])
+        max_position = text.get("max_position_embeddings")
+        if self.max_model_len is None:
+            if max_position is None:
+                raise ConfigError(
+                    f"{config_path} has no max_position_embeddings; pass max_model_len explicitly."
+                )
+            self.max_model_len = max_position
+        _positive_int("max_model_len", self.max_model_len)
+        if max_position is not None and self.max_model_len > max_position:
+            raise ConfigError(
+                f"max_model_len={self.max_model_len} exceeds max_position_embeddings={max_position} of "
+                f"{self.model}; lower max_model_len to at most {max_position}."
+            )
+
+    def _resolve_dtype(self) -> str:
+        requested = str(self.dtype).removeprefix("torch.")
+        if requested == "auto":
+            requested = str(self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32")
+            requested = requested.removeprefix("torch.")
+        if requested not in DTYPES:
+            raise ConfigError(
+                f"dtype={self.dtype!r} is not supported; use one of auto, float32, float16, bfloat16."
+            )
+        return DTYPES[requested]
+
+    @property
+    def hf_text_config(self) -> HFConfig:
+        return get_text_config(self.hf_config)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.hf_text_config.num_attention_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.hf_text_config.get("num_key_value_heads") or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        text = self.hf_text_config
+        return text.get("head_dim") or text.hidden_size // text.num_attention_heads
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.hf_text_config.num_hidden_layers
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split: tensor parallel size and the executor that runs the ranks."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    ready_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ConfigError(
+                f"distributed_executor_backend={self.distributed_executor_backend!r} is unknown; "
+                f"use one of {', '.join(EXECUTOR_BACKENDS)}."
+            )
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size="
+                f"{self.tensor_parallel_size}; use 'mp' or 'ray', or tensor_parallel_size=1."
+            )
+        if self.ready_timeout_s is None:
+            self.ready_timeout_s = envs.ready_timeout_s() or DEFAULT_READY_TIMEOUT_S
+        if not self.ready_timeout_s > 0:
+            raise ConfigError(f"ready_timeout_s={self.ready_timeout_s!r} must be a positive number of seconds.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
+@dataclass
+class CacheConfig:
+    """How the KV cache is sized: block size and the share of device memory the engine may use."""
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("block_size", self.block_size)
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1], "
+                f"the fraction of device memory the engine may use (e.g. 0.9)."
+            )
+        if self.num_gpu_blocks_override is not None:
+            _positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override)
+
+
+@dataclass
+class LoadConfig:
+    """How weights are read: safetensors (HF layout), dummy (random, no files) or pt (weights_only)."""
+
+    load_format: str = "safetensors"
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format={self.load_format!r} is unknown; use one of {', '.join(LOAD_FORMATS)}.")
+
+
+@dataclass
+class DeviceConfig:
+    """The device and its memory. On CPU the memory is simulated: a capacity such as "8GiB"."""
+
+    device: str = "cpu"
+    device_memory: str | int | None = None
+    capacity_bytes: int | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ConfigError(f"device={self.device!r} is unknown; use 'cpu' or 'cuda'.")
+        if self.device == "cpu" and self.device_memory is None:
+            self.device_memory = DEFAULT_CPU_DEVICE_MEMORY
+        if self.device_memory is not None:
+            self.capacity_bytes = parse_size(self.device_memory, "device_memory")
+
+
+@dataclass
+class SchedulerConfig:
+    """Batch limits: tokens per step (also the profile run's size) and sequences per step."""
+
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens is not None:
+            _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine and its workers need, validated across fields."""
+
+    model_config: ModelConfig
+    parallel_config: ParallelConfig
+    cache_config: CacheConfig
+    load_config: LoadConfig
+    device_config: DeviceConfig
+    scheduler_config: SchedulerConfig
+    model_info: ModelInfo | None = None
+
+    def __post_init__(self) -> None:
+        model, sched = self.model_config, self.scheduler_config
+        if sched.max_num_batched_tokens is None:
+            sched.max_num_batched_tokens = max(model.max_model_len, 2048)
+        if sched.max_num_batched_tokens < model.max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens={sched.max_num_batched_tokens} is smaller than max_model_len="
+                f"{model.max_model_len}, so a full-length prompt could never be scheduled; raise "
+                f"max_num_batched_tokens to at least {model.max_model_len} or lower max_model_len."
+            )
+        verify_tensor_parallel_size(model, self.parallel_config.tensor_parallel_size)
+        if self.device_config.device == "cuda":
+            import torch
+
+            if not torch.backends.cuda.is_built():
+                raise ConfigError(
+                    f"device='cuda' but this torch build ({torch.__version__}) has no CUDA; use device='cpu'."
+                )
+
+
+def valid_tensor_parallel_sizes(num_heads: int, num_kv_heads: int, limit: int = 64) -> list[int]:
+    """TP sizes that split attention heads evenly, with KV heads split or evenly replicated."""
+    return [
+        tp for tp in range(1, min(limit, num_heads) + 1)
+        if num_heads % tp == 0 and (num_kv_heads % tp == 0 or tp % num_kv_heads == 0)
+    ]
+
+
+def verify_tensor_parallel_size(model: ModelConfig, tp: int) -> None:
+    """Raise ConfigError when tp does not split the attention (and KV) heads evenly.
+
+    Multimodal models shard their vision tower too, so its heads must split as well.
+    """
+    heads, kv_heads = model.num_attention_heads, model.num_key_value_heads
+    valid = valid_tensor_parallel_sizes(heads, kv_heads)
+    what = []
+    if heads % tp:
+        what.append(f"num_attention_heads={heads}")
+    elif not (kv_heads % tp == 0 or tp % kv_heads == 0):
+        what.append(f"num_key_value_heads={kv_heads} (and is not a multiple of it)")
+    vision = model.hf_config.get("vision_config")
+    if vision and "num_attention_heads" in vision:
+        vision_heads = vision["num_attention_heads"]
+        valid = [t for t in valid if vision_heads % t == 0]
+        if vision_heads % tp:
+            what.append(f"vision_config.num_attention_heads={vision_heads}")
+    if what:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} does not divide {' or '.join(what)} of {model.architecture}; "
+            f"use one of {valid}."
+        )
+
+
+@dataclass
+class EngineArgs:
+    """The flat arguments of LLM(...) and the CLI; ``create_engine_config()`` validates them."""
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    ready_timeout_s: float | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    load_format: str = "safetensors"
+    device: str = "cpu"
+    device_memory: str | int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 64
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def create_engine_config(self, registry: _ModelRegistry | None = None) -> EngineConfig:
+        """Validate every field, resolve the architecture through the registry, return EngineConfig."""
+        from engine_ref.model_executor.models.registry import ModelRegistry
+
+        registry = registry or ModelRegistry
+        model_config = ModelConfig(self.model, self.dtype, self.max_model_len, self.seed)
+        arch = model_config.architecture
+        if arch not in registry.get_supported_archs():
+            raise unknown_architecture_error(arch, registry.get_supported_archs())
+        parallel_config = ParallelConfig(
+            self.tensor_parallel_size, self.distributed_executor_backend, self.ready_timeout_s
+        )
+        config = EngineConfig(
+            model_config=model_config,
+            parallel_config=parallel_config,
+            cache_config=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override),
+            load_config=LoadConfig(self.load_format),
+            device_config=DeviceConfig(self.device, self.device_memory),
+            scheduler_config=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs),
+        )
+        info = registry.inspect_model_cls(arch)
+        if parallel_config.tensor_parallel_size > 1 and not info.supports_tp:
+            raise ConfigError(
+                f"{arch} does not support tensor parallelism; use tensor_parallel_size=1."
+            )
+        config.model_info = info
+        return config
+
+
+def unknown_architecture_error(arch: str, supported: list[str]) -> UnknownArchitectureError:
+    """The error for an architecture no registry entry matches, listing the nearest names."""
+    near = difflib.get_close_matches(arch, supported, n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(near)}?" if near else ""
+    return UnknownArchitectureError(
+        f"Architecture {arch!r} is not registered.{hint} Registered: {', '.join(sorted(supported))}. "
+        f"Register an out-of-tree model with ModelRegistry.register_model({arch!r}, 'module:Class')."
+    )

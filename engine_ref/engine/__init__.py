@@ -1,0 +1,1 @@
+"""The engine core: startup phases, scheduling, the startup report."""

@@ -1,0 +1,97 @@
+"""StartupReport: what engine startup did, per phase and per rank, as data, JSON and a table."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine_ref.memory.accounting import MemoryUsage
+from engine_ref.utils import format_bytes
+
+ENGINE_PHASES = ("plugins", "config", "executor", "kv_cache", "ready")
+WORKER_PHASES = ("init_device", "load_model", "profile_run", "initialize_cache")
+
+
+class PhaseTimer:
+    """Records how long each named phase took, in order."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = time.perf_counter() - start
+
+
+@dataclass
+class WorkerReport:
+    """One rank: its process, how long its phases took, what it read and what memory it uses."""
+
+    rank: int
+    pid: int
+    device: str
+    phases: dict[str, float]
+    bytes_read: int
+    memory: MemoryUsage
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "memory": self.memory.to_dict()}
+
+
+@dataclass
+class StartupReport:
+    """The result of a successful engine startup."""
+
+    architecture: str
+    model: str
+    tensor_parallel_size: int
+    executor_backend: str
+    max_model_len: int
+    block_size: int
+    num_gpu_blocks: int
+    phases: dict[str, float] = field(default_factory=dict)
+    workers: list[WorkerReport] = field(default_factory=list)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.phases.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["workers"] = [w.to_dict() for w in self.workers]
+        data["total_seconds"] = self.total_seconds
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def format_table(self) -> str:
+        lines = [
+            f"{self.architecture} from {self.model}",
+            f"tensor_parallel_size={self.tensor_parallel_size} executor={self.executor_backend} "
+            f"max_model_len={self.max_model_len} KV blocks={self.num_gpu_blocks} x {self.block_size} tokens",
+            "",
+            f"{'phase':<12}{'seconds':>10}",
+            *(f"{name:<12}{secs:>10.3f}" for name, secs in self.phases.items()),
+            f"{'total':<12}{self.total_seconds:>10.3f}",
+            "",
+            f"{'rank':<6}{'pid':>8}  {'device':<8}{'load s':>8}{'read':>12}{'weights':>12}"
+            f"{'activations':>13}{'KV cache':>12}{'total':>12}{'capacity':>12}",
+        ]
+        for w in self.workers:
+            m = w.memory
+            lines.append(
+                f"{w.rank:<6}{w.pid:>8}  {w.device:<8}{w.phases.get('load_model', 0.0):>8.3f}"
+                f"{format_bytes(w.bytes_read):>12}{format_bytes(m.weights):>12}"
+                f"{format_bytes(m.activation_peak):>13}{format_bytes(m.kv_cache):>12}"
+                f"{format_bytes(m.total):>12}{format_bytes(m.capacity):>12}"
+            )
+        return "\n".join(lines)

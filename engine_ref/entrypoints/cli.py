@@ -1,0 +1,137 @@
+"""The ``engine-ref`` command line: start an engine and print its startup report, and helpers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from engine_ref.errors import EngineRefError
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--device-memory", default=None,
+                        help="device capacity, e.g. 8GiB (simulated on CPU; default 4GiB there)")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy", "pt"])
+    parser.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"])
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+
+
+def cmd_startup(args: argparse.Namespace) -> int:
+    """Start the engine on a model directory (or a tiny checkpoint of an architecture), print the report."""
+    from engine_ref.entrypoints.llm import LLM
+    from engine_ref.model_executor.model_loader.checkpoint import make_checkpoint
+    from engine_ref.model_executor.models.registry import ModelRegistry
+
+    with tempfile.TemporaryDirectory(prefix="engine_ref-") as tmp:
+        model = args.model
+        if not Path(model).exists() and model in ModelRegistry.get_supported_archs():
+            model = str(make_checkpoint(model, Path(tmp) / model))
+        llm = LLM(
+            model, tensor_parallel_size=args.tensor_parallel_size, device=args.device,
+            device_memory=args.device_memory, max_model_len=args.max_model_len, dtype=args.dtype,
+            load_format=args.load_format, distributed_executor_backend=args.distributed_executor_backend,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+        with llm:
+            report = llm.startup_report
+            print(report.to_json() if args.json else report.format_table())
+    return 0
+
+
+def cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    """Write a tiny random HF-layout checkpoint of an architecture."""
+    from engine_ref.model_executor.model_loader.checkpoint import make_checkpoint
+
+    path = make_checkpoint(args.architecture, args.path, seed=args.seed, dtype=args.dtype,
+                           num_shards=args.num_shards)
+    print(f"wrote {args.architecture} checkpoint to {path}")
+    return 0
+
+
+def cmd_prepare_model_info(args: argparse.Namespace) -> int:
+    """Inspect architectures in parallel warm processes and fill the ModelInfo cache."""
+    from engine_ref.model_executor.models.registry import ModelRegistry
+    from engine_ref.plugins import load_general_plugins
+
+    load_general_plugins()
+    results = ModelRegistry.inspect_all(args.architectures or None, max_workers=args.max_workers)
+    failed = 0
+    for arch, result in results.items():
+        if isinstance(result, Exception):
+            failed += 1
+            print(f"FAILED {arch}: {result}", file=sys.stderr)
+        else:
+            print(f"ok     {arch}")
+    return 1 if failed else 0
+
+
+def cmd_list_models(args: argparse.Namespace) -> int:
+    """Print every registered architecture and where it lives (imports nothing)."""
+    from engine_ref.model_executor.models.registry import ModelRegistry
+    from engine_ref.plugins import load_general_plugins
+
+    load_general_plugins()
+    entries = {arch: entry.spec for arch, entry in ModelRegistry.models.items()}
+    if args.json:
+        print(json.dumps(entries, indent=2))
+    else:
+        for arch, spec in entries.items():
+            print(f"{arch:<34} {spec}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="engine-ref", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+    p = sub.add_parser("startup", help=cmd_startup.__doc__)
+    p.add_argument("model", help="a model directory, or a registered architecture (a tiny checkpoint is made)")
+    _add_engine_args(p)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    commands["startup"] = cmd_startup
+
+    p = sub.add_parser("make-checkpoint", help=cmd_make_checkpoint.__doc__)
+    p.add_argument("architecture")
+    p.add_argument("path")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--num-shards", type=int, default=1)
+    commands["make-checkpoint"] = cmd_make_checkpoint
+
+    p = sub.add_parser("prepare-model-info", help=cmd_prepare_model_info.__doc__)
+    p.add_argument("architectures", nargs="*", help="default: every registered architecture")
+    p.add_argument("--max-workers", type=int, default=None)
+    commands["prepare-model-info"] = cmd_prepare_model_info
+
+    p = sub.add_parser("list-models", help=cmd_list_models.__doc__)
+    p.add_argument("--json", action="store_true")
+    commands["list-models"] = cmd_list_models
+
+    parser.set_defaults(commands=commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``engine-ref``: our errors print as one clear line, never a traceback."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.commands[args.command](args)
+    except EngineRefError as e:
+        print(f"engine-ref: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

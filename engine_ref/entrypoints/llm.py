@@ -1,0 +1,81 @@
+"""LLM: the offline entry point, as in vLLM: ``LLM(model=DIR).generate(prompt_token_ids=[...])``."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import fields
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from engine_ref.config import EngineArgs
+from engine_ref.engine.core import EngineCore
+from engine_ref.engine.report import StartupReport
+from engine_ref.engine.scheduler import Request
+from engine_ref.errors import InputError
+
+
+class LLM:
+    """A started engine you can generate with; use it as a context manager or call ``shutdown()``."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        known = {f.name for f in fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        self.engine = EngineCore(EngineArgs(model=str(model), **kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def startup_report(self) -> StartupReport:
+        return self.engine.startup_report
+
+    def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 16,
+                 images: list[torch.Tensor | None] | None = None, ignore_eos: bool = False) -> list[list[int]]:
+        """Greedy-decode up to ``max_tokens`` tokens for each prompt; return the new token ids per prompt.
+
+        ``images`` (one entry per prompt, or None) feed multimodal models: a ``[3, H, W]`` or
+        ``[n, 3, H, W]`` tensor for prompts that hold image placeholder tokens.
+        """
+        model_config = self.engine.config.model_config
+        vocab_size = model_config.hf_text_config.vocab_size
+        max_len = model_config.max_model_len
+        eos = None if ignore_eos else model_config.hf_text_config.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if images is not None and len(images) != len(prompt_token_ids):
+            raise InputError(f"{len(images)} images entries for {len(prompt_token_ids)} prompts; give one per prompt.")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise InputError(f"max_tokens={max_tokens!r} must be a positive integer.")
+        requests = []
+        for i, prompt in enumerate(prompt_token_ids):
+            if not prompt:
+                raise InputError(f"prompt {i} is empty; give at least one token id.")
+            bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
+            if bad:
+                raise InputError(f"prompt {i} holds token ids outside [0, {vocab_size}): {bad[:5]}.")
+            if len(prompt) + max_tokens > max_len:
+                raise InputError(
+                    f"prompt {i} has {len(prompt)} tokens; with max_tokens={max_tokens} it needs "
+                    f"{len(prompt) + max_tokens} positions, more than max_model_len={max_len}. "
+                    f"Shorten the prompt or lower max_tokens."
+                )
+            pixels = images[i] if images is not None else None
+            requests.append(Request(next(self._ids), list(prompt), max_tokens, eos, pixels))
+        for request in requests:
+            self.engine.add_request(request)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        return [r.output_token_ids for r in requests]
+
+    def shutdown(self) -> None:
+        """Stop the engine's workers. Idempotent."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.shutdown()

@@ -1,0 +1,26 @@
+"""UniProcExecutor: one worker, in this process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine_ref.executor.abstract import Executor
+from engine_ref.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    """Runs the single rank of a tensor_parallel_size=1 engine in the calling process."""
+
+    def _init_executor(self) -> None:
+        self.worker = Worker(self.config, rank=0)
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+    def shutdown(self) -> None:
+        if not self.is_shutdown:
+            self.is_shutdown = True
+            self.worker.shutdown()

@@ -1,0 +1,387 @@
+"""The one warm-process mechanism: every child engine_ref starts is a fork of a warm parent.
+
+Importing torch costs seconds; forking a process that already imported it costs milliseconds. So the
+registry's inspection, the multiprocess executor's workers and pytest_enginecheck's isolated checks
+all start through ``start_process``, which by default uses multiprocessing's *forkserver*: a server
+process, started once per parent by exec (so it never inherits CUDA state), preloads torch and
+engine_ref's core (``engine_ref.warmup``, which imports no model module and never touches CUDA) and
+forks a child for each request.
+
+Every child gets, on top of what multiprocessing gives:
+- the parent's current environment (forkserver children would otherwise see the server's);
+- its own process group, or its caller's when the caller is itself an isolated child, so that
+  ``kill_tree`` ends a child together with everything it started;
+- a death pipe: when the parent process dies, the child kills its group and exits;
+- faulthandler on SIGUSR1, so a hung child's Python stacks can be read back before it is killed.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.spawn
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
+from typing import Any
+
+from engine_ref import envs
+from engine_ref.errors import ConfigError, EngineRefError
+
+logger = logging.getLogger(__name__)
+
+PRELOAD_MODULES = ["engine_ref.warmup"]
+START_METHODS = ("forkserver", "spawn", "fork")
+
+# True in a child started by start_process: its own children then join its process group.
+_in_isolated_group = False
+# Set while this thread starts one of our children: see _preparation_data.
+_launching = threading.local()
+_original_get_preparation_data = multiprocessing.spawn.get_preparation_data
+
+
+class IsolatedProcessError(EngineRefError):
+    """An isolated child did not return: it crashed, exited early or timed out."""
+
+
+class ProcessCrashedError(IsolatedProcessError):
+    """The child died by a signal or exited without sending a result."""
+
+    def __init__(self, message: str, exitcode: int | None) -> None:
+        super().__init__(message)
+        self.exitcode = exitcode
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exitcode is not None and self.exitcode < 0:
+            return describe_signal(-self.exitcode)
+        return None
+
+
+class ProcessTimeoutError(IsolatedProcessError):
+    """The child ran past its timeout; ``stacks`` holds its Python stacks at that moment."""
+
+    def __init__(self, message: str, stacks: str) -> None:
+        super().__init__(message)
+        self.stacks = stacks
+
+
+class RemoteError(IsolatedProcessError):
+    """The child raised an exception that could not be sent back as itself."""
+
+    def __init__(self, type_name: str, message: str, remote_traceback: str) -> None:
+        super().__init__(f"{type_name}: {message}\n\nRemote traceback:\n{remote_traceback}")
+        self.type_name = type_name
+        self.remote_traceback = remote_traceback
+
+
+class RemoteTraceback(Exception):
+    """Attached as ``__cause__`` of an exception re-raised from a child: the child's traceback."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def describe_signal(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def describe_exitcode(exitcode: int | None) -> str:
+    """-9 -> 'was killed by SIGKILL'; 3 -> 'exited with code 3'."""
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        return f"was killed by {describe_signal(-exitcode)}"
+    return f"exited with code {exitcode}"
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def _preparation_data(name: str) -> dict[str, Any]:
+    """multiprocessing's preparation data, minus the parent's ``__main__`` for our own children.
+
+    multiprocessing re-imports the parent's main module in every forkserver or spawn child, so
+    that targets defined there unpickle. Ours travel by cloudpickle and never need it, and under
+    the ``pytest`` console script that import alone costs a child ~150 ms (it imports pytest).
+    Other callers of multiprocessing are unaffected: the flag is per thread and set only by us.
+    """
+    data = _original_get_preparation_data(name)
+    if getattr(_launching, "active", False):
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+    return data
+
+
+def get_mp_context() -> BaseContext:
+    """The multiprocessing context children start from (ENGINE_REF_WORKER_MULTIPROC_METHOD).
+
+    forkserver (default): forks of a warm server that preloaded torch. fork: forks of this process,
+    refused with a warning (spawn instead) once this process has initialized CUDA. spawn: a fresh
+    interpreter per child (slow; for platforms without fork).
+    """
+    method = envs.worker_multiproc_method()
+    if method not in START_METHODS:
+        raise ConfigError(
+            f"ENGINE_REF_WORKER_MULTIPROC_METHOD={method!r} is unknown; use one of {', '.join(START_METHODS)}."
+        )
+    if method == "fork" and _cuda_initialized():
+        warnings.warn(
+            "This process has initialized CUDA, and a forked child cannot use CUDA "
+            "('Cannot re-initialize CUDA in forked subprocess'); starting workers with 'spawn' instead. "
+            "Use the default 'forkserver' method, or avoid touching CUDA before the engine starts.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        method = "spawn"
+    if method in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context(method)
+    else:
+        ctx = multiprocessing.get_context("spawn")
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD_MODULES)
+    multiprocessing.spawn.get_preparation_data = _preparation_data
+    return ctx
+
+
+@dataclass
+class _ChildSetup:
+    env: dict[str, str]
+    pgid: int  # 0: lead a new group
+    death_r: Connection
+    stack_w: Connection
+
+
+def _watch_parent(death_r: Connection) -> None:
+    """Block until the parent's end of the death pipe closes, then take this process group down."""
+    try:
+        death_r.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os._exit(1)
+
+
+def _child_main(setup: _ChildSetup, target: Callable[..., Any], args: tuple) -> None:
+    global _in_isolated_group
+    os.environ.clear()
+    os.environ.update(setup.env)
+    try:
+        os.setpgid(0, setup.pgid)
+    except OSError:  # the caller's group is gone or in another session: lead our own
+        os.setpgid(0, 0)
+    _in_isolated_group = True
+    faulthandler.register(signal.SIGUSR1, file=setup.stack_w.fileno(), all_threads=True)
+    threading.Thread(target=_watch_parent, args=(setup.death_r,), daemon=True, name="death-pipe").start()
+    target(*args)
+
+
+class WarmProcess:
+    """A child started by ``start_process``: its Process, plus stack dumps and whole-tree kill."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, death_w: Connection, stack_r: Connection,
+                 leads_group: bool) -> None:
+        self.process = process
+        self._death_w = death_w
+        self._stack_r = stack_r
+        self._leads_group = leads_group
+
+    @property
+    def pid(self) -> int:
+        assert self.process.pid is not None
+        return self.process.pid
+
+    @property
+    def sentinel(self) -> int:
+        return self.process.sentinel
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def dump_stacks(self, wait_s: float = 1.0) -> str:
+        """The child's Python stacks (all threads), via faulthandler; empty if it is already gone."""
+        try:
+            os.kill(self.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return ""
+        chunks: list[bytes] = []
+        deadline = time.monotonic() + wait_s
+        fd = self._stack_r.fileno()
+        while time.monotonic() < deadline:
+            if not multiprocessing.connection.wait([self._stack_r], timeout=0.2 if chunks else 0.05):
+                if chunks:
+                    break
+                continue
+            data = os.read(fd, 65536)
+            if not data:
+                break
+            chunks.append(data)
+        return b"".join(chunks).decode(errors="replace")
+
+    def kill_tree(self) -> None:
+        """SIGKILL the child and, when it leads its own process group, everything it started."""
+        if self.process.pid is None:
+            return
+        try:
+            if self._leads_group:
+                os.killpg(self.pid, signal.SIGKILL)
+            else:
+                os.kill(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def terminate(self) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.process.join(timeout)
+
+    def close(self, grace_s: float = 0.0) -> None:
+        """Reap the child (after ``grace_s`` to exit, then by SIGKILL to its group) and close its pipes."""
+        if self.process.pid is not None:
+            if grace_s:
+                self.process.join(grace_s)
+            if self.process.is_alive():
+                self.kill_tree()
+            self.process.join()
+            if self._leads_group:
+                try:  # stragglers the child started and left in its group
+                    os.killpg(self.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for conn in (self._death_w, self._stack_r):
+            conn.close()
+        self.process.close()
+
+
+def start_process(target: Callable[..., Any], *args: Any, name: str = "engine_ref-child",
+                  ctx: BaseContext | None = None) -> WarmProcess:
+    """Start ``target(*args)`` in a warm child (see the module docstring); arguments must pickle.
+
+    Connections among ``args`` are passed to the child; the caller should close its own copies of
+    the ends it gave away.
+    """
+    ctx = ctx or get_mp_context()
+    death_r, death_w = ctx.Pipe(duplex=False)
+    stack_r, stack_w = ctx.Pipe(duplex=False)
+    pgid = os.getpgrp() if _in_isolated_group else 0
+    setup = _ChildSetup(env=dict(os.environ), pgid=pgid, death_r=death_r, stack_w=stack_w)
+    process = ctx.Process(target=_child_main, args=(setup, target, args), name=name, daemon=False)
+    _launching.active = True
+    try:
+        process.start()
+    finally:
+        _launching.active = False
+    death_r.close()
+    stack_w.close()
+    return WarmProcess(process, death_w, stack_r, leads_group=pgid == 0)
+
+
+def _run_and_send(payload: bytes, result_w: Connection) -> None:
+    import cloudpickle
+
+    try:
+        fn, args, kwargs = cloudpickle.loads(payload)
+        outcome: tuple = ("ok", fn(*args, **kwargs))
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        outcome = ("error", e, traceback.format_exc())
+    try:
+        data = cloudpickle.dumps(outcome)
+    except Exception:  # noqa: BLE001 - the result or the exception does not pickle
+        if outcome[0] == "ok":
+            e = TypeError(f"the return value of type {type(outcome[1]).__name__} cannot be pickled")
+            outcome = ("error", e, "".join(traceback.format_exception(e)))
+        exc = outcome[1]
+        data = cloudpickle.dumps(("unpicklable", type(exc).__qualname__, str(exc), outcome[2]))
+    result_w.send_bytes(data)
+    result_w.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_isolated(fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+                 name: str | None = None, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` in a warm child and return its value.
+
+    The function and its arguments travel with cloudpickle. An exception in the child is re-raised
+    here as itself, with the child's traceback as ``__cause__`` (a RemoteTraceback). A child that
+    dies raises ProcessCrashedError; one that outlives ``timeout`` has its stacks dumped, its whole
+    process tree killed, and raises ProcessTimeoutError. Nothing it started outlives the call.
+    """
+    import cloudpickle
+
+    ctx = get_mp_context()
+    result_r, result_w = ctx.Pipe(duplex=False)
+    label = name or getattr(fn, "__qualname__", "function")
+    child = start_process(_run_and_send, cloudpickle.dumps((fn, args, kwargs)), result_w,
+                          name=f"isolated:{label}", ctx=ctx)
+    result_w.close()
+    try:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        data: bytes | None = None
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = multiprocessing.connection.wait([result_r, child.sentinel], timeout=remaining)
+            if result_r in ready or result_r.poll():
+                try:
+                    data = result_r.recv_bytes()
+                except EOFError:
+                    data = None
+                break
+            if ready:  # the child ended without a result
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                stacks = child.dump_stacks()
+                child.kill_tree()
+                raise ProcessTimeoutError(
+                    f"{label} did not finish within {timeout:g} s and was killed. "
+                    f"Its Python stacks at that moment:\n{stacks or '(none could be read)'}",
+                    stacks,
+                )
+        if data is None:
+            child.join(5)
+            raise ProcessCrashedError(
+                f"{label} {describe_exitcode(child.exitcode)} before returning a result.", child.exitcode
+            )
+        return _unpack_result(cloudpickle.loads(data))
+    finally:
+        result_r.close()
+        child.close(grace_s=5.0)
+
+
+def _unpack_result(outcome: tuple) -> Any:
+    kind = outcome[0]
+    if kind == "ok":
+        return outcome[1]
+    if kind == "error":
+        _, exc, tb_text = outcome
+        exc.__cause__ = RemoteTraceback(tb_text)
+        raise exc
+    _, type_name, message, tb_text = outcome
+    raise RemoteError(type_name, message, tb_text)

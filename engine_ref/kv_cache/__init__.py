@@ -1,0 +1,1 @@
+"""The paged KV cache: per-layer specs, sizing, and the block pool."""

@@ -1,0 +1,1 @@
+"""Memory accounting: exact bytes by category (weights, activation peak, KV cache)."""

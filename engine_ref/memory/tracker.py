@@ -1,0 +1,48 @@
+"""ActivationTracker: the live and peak bytes of tensors created while it is active.
+
+A TorchDispatchMode sees every tensor an operator returns. Each new storage is counted when it
+appears and uncounted when Python frees it (a weak reference's callback), so ``peak_bytes`` is the
+exact high-water mark of storage bytes allocated inside the block. Storages that existed before
+(weights, inputs) are not counted, nor are views of them. It works the same on real CPU tensors
+and on FakeTensors, which is what lets a meta-device estimate equal a real measurement.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+class ActivationTracker(TorchDispatchMode):
+    """Track storage bytes allocated inside a ``with`` block; read ``peak_bytes`` afterwards."""
+
+    def __init__(self, existing: Any = ()) -> None:
+        super().__init__()
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        for tensor in tree_leaves(existing):
+            if isinstance(tensor, torch.Tensor):
+                self._seen[tensor.untyped_storage()] = None
+
+    def _freed(self, nbytes: int) -> None:
+        self.current_bytes -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            if storage in self._seen:
+                continue
+            nbytes = storage.nbytes()
+            self._seen[storage] = weakref.ref(storage, lambda _, n=nbytes: self._freed(n))
+            self.current_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        return out

@@ -1,0 +1,61 @@
+"""Paged attention in pure torch: readable, the same on CPU and CUDA.
+
+The KV cache of a layer is one tensor ``[2, num_blocks, block_size, num_kv_heads, head_size]``
+(keys, values). A token's slot is ``block * block_size + offset``; each sequence's block table
+lists its blocks in order. A forward pass writes this step's keys and values into their slots,
+then each sequence attends over its first ``seq_len`` cached tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_ref.model_executor.forward_context import get_attn_metadata
+from engine_ref.utils import cdiv
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with grouped KV heads over a paged KV cache."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
+        self.scale = scale
+        self.kv_cache: torch.Tensor | None = None  # bound by the worker's initialize_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        md = get_attn_metadata()
+        q = q.view(-1, self.num_heads, self.head_size)
+        k = k.view(-1, self.num_kv_heads, self.head_size)
+        v = v.view(-1, self.num_kv_heads, self.head_size)
+        cached = self.kv_cache is not None and md.slot_mapping is not None
+        if cached:
+            key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
+            block_size = key_cache.shape[1]
+            key_cache.view(-1, self.num_kv_heads, self.head_size).index_copy_(0, md.slot_mapping, k)
+            value_cache.view(-1, self.num_kv_heads, self.head_size).index_copy_(0, md.slot_mapping, v)
+        outputs = []
+        for i, seq_len in enumerate(md.seq_lens):
+            start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
+            if cached:
+                blocks = md.block_tables[i][: cdiv(seq_len, block_size)]
+                keys = key_cache[blocks].flatten(0, 1)[:seq_len]
+                values = value_cache[blocks].flatten(0, 1)[:seq_len]
+            else:  # the profile run: a prefill with no cache yet
+                keys, values = k[start:end], v[start:end]
+            outputs.append(self._attend(q[start:end], keys, values))
+        return torch.cat(outputs).view(-1, self.num_heads * self.head_size)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q ``[q_len, heads, d]`` over k, v ``[k_len, kv_heads, d]``; the queries are the last q_len positions."""
+        q_len, k_len = q.shape[0], k.shape[0]
+        mask = None
+        if 1 < q_len < k_len:
+            mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, is_causal=q_len == k_len and q_len > 1, scale=self.scale, enable_gqa=True,
+        )
+        return out.transpose(0, 1)

@@ -1,0 +1,85 @@
+"""Capability markers a model class declares, and the ModelInfo the registry derives from them.
+
+As in vLLM, a model opts in by inheriting a marker (``SupportsMultiModal``...) whose ClassVar the
+registry reads while inspecting the class in a subprocess. This module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
+
+
+class SupportsMultiModal:
+    """The model takes images (or other modalities) beside token ids."""
+
+    supports_multimodal: ClassVar[bool] = True
+
+
+class SupportsLoRA:
+    """The model's linear layers accept LoRA adapters."""
+
+    supports_lora: ClassVar[bool] = True
+
+
+class SupportsQuant:
+    """The model can load quantized checkpoints."""
+
+    supports_quantization: ClassVar[bool] = True
+
+
+class MixtureOfExperts:
+    """The model routes tokens to experts."""
+
+    is_moe: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine needs to know about a model class before building it."""
+
+    architecture: str
+    module: str
+    class_name: str
+    is_text_generation_model: bool
+    supports_multimodal: bool
+    is_moe: bool
+    supports_tp: bool
+    supports_pp: bool
+    supports_lora: bool
+    supports_quantization: bool
+    has_example_config: bool
+
+    @classmethod
+    def from_model_cls(cls, architecture: str, model_cls: type) -> ModelInfo:
+        """Derive the info from the class's markers; raise TypeError if it is not a model class."""
+        missing = [name for name in ("forward", "load_weights") if not callable(getattr(model_cls, name, None))]
+        if missing:
+            raise TypeError(
+                f"{model_cls.__module__}.{model_cls.__qualname__} is not a model class: it has no "
+                f"{' or '.join(missing)}(); a model must define forward() and load_weights(weights) -> set[str]."
+            )
+        return cls(
+            architecture=architecture,
+            module=model_cls.__module__,
+            class_name=model_cls.__qualname__,
+            is_text_generation_model=callable(getattr(model_cls, "compute_logits", None)),
+            supports_multimodal=getattr(model_cls, "supports_multimodal", False),
+            is_moe=getattr(model_cls, "is_moe", False),
+            supports_tp=getattr(model_cls, "supports_tp", True),
+            supports_pp=getattr(model_cls, "supports_pp", False),
+            supports_lora=getattr(model_cls, "supports_lora", False),
+            supports_quantization=getattr(model_cls, "supports_quantization", False),
+            has_example_config=isinstance(getattr(model_cls, "example_config", None), dict),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelInfo:
+        """Rebuild from ``to_dict`` output; raises TypeError/KeyError on a stale or foreign dict."""
+        names = {f.name for f in fields(cls)}
+        if set(data) != names:
+            raise KeyError(f"fields differ: {sorted(set(data) ^ names)}")
+        return cls(**data)

@@ -1,0 +1,226 @@
+"""ModelRegistry: architecture name -> model class, lazily, with inspection in a subprocess.
+
+Registering or listing imports nothing: an entry is a "module:Class" string until a worker needs
+the class. ``inspect_model_cls`` learns a model's capabilities (ModelInfo) by importing it in a warm
+child process, so a model module that misbehaves at import (touches CUDA, crashes, hangs) cannot
+break the process that asked. Results are cached as JSON keyed by a hash of the module's source,
+so a later run serves them without any subprocess until the model's file changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine_ref import envs
+from engine_ref.errors import ModelInspectionError
+from engine_ref.model_executor.models.interfaces import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+MODEL_INFO_FORMAT_VERSION = 1
+DEFAULT_INSPECT_TIMEOUT_S = 120.0
+
+_ENGINE_REF_MODELS = {
+    # architecture: (module under engine_ref.model_executor.models, class)
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
+}
+
+
+@dataclass(frozen=True)
+class RegisteredModel:
+    """One registry entry: where the class lives, or the class itself for in-process registrations."""
+
+    module_name: str
+    class_name: str
+    model_cls: type | None = None
+
+    @classmethod
+    def parse(cls, spec: str | type) -> RegisteredModel:
+        if isinstance(spec, type):
+            return cls(spec.__module__, spec.__qualname__, spec)
+        module_name, sep, class_name = spec.partition(":")
+        if not sep or not module_name or not class_name:
+            raise ValueError(f"model class {spec!r} must be written 'package.module:ClassName'.")
+        return cls(module_name, class_name)
+
+    @property
+    def spec(self) -> str:
+        return f"{self.module_name}:{self.class_name}"
+
+    def load_model_cls(self) -> type:
+        """Import the module and return the class (an AttributeError-free, clear error if absent)."""
+        if self.model_cls is not None:
+            return self.model_cls
+        module = importlib.import_module(self.module_name)
+        try:
+            return getattr(module, self.class_name)
+        except AttributeError:
+            raise ImportError(
+                f"module {self.module_name!r} has no class {self.class_name!r}; "
+                f"fix the registration {self.spec!r} or define the class."
+            ) from None
+
+    def source_hash(self) -> str | None:
+        """sha256 of the module's source file, found without importing the module itself."""
+        try:
+            spec = importlib.util.find_spec(self.module_name)
+        except (ImportError, ValueError):
+            return None
+        if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+            return None
+        digest = hashlib.sha256(Path(spec.origin).read_bytes())
+        digest.update(f"{self.spec}\0{MODEL_INFO_FORMAT_VERSION}".encode())
+        return digest.hexdigest()
+
+
+def _inspect_in_subprocess(architecture: str, entry: RegisteredModel) -> ModelInfo:
+    """Runs in the child: import the model class and derive its ModelInfo."""
+    return ModelInfo.from_model_cls(architecture, entry.load_model_cls())
+
+
+class _ModelRegistry:
+    """Maps architecture names (config.json's ``architectures``) to model classes."""
+
+    def __init__(self, models: dict[str, RegisteredModel]) -> None:
+        self.models = dict(models)
+        self._infos: dict[tuple[str, str | None], ModelInfo] = {}
+        self._lock = threading.Lock()
+        self.subprocess_inspections = 0  # how many inspections needed a child process
+
+    def get_supported_archs(self) -> list[str]:
+        """Every registered architecture name. Imports nothing."""
+        return list(self.models)
+
+    def register_model(self, architecture: str, model_cls: str | type) -> None:
+        """Register (or replace) an architecture: ``"package.module:Class"`` (lazy) or a class."""
+        if architecture in self.models:
+            logger.warning("model architecture %s is already registered; overwriting it", architecture)
+        self.models[architecture] = RegisteredModel.parse(model_cls)
+
+    def _entry(self, architecture: str) -> RegisteredModel:
+        try:
+            return self.models[architecture]
+        except KeyError:
+            from engine_ref.config import unknown_architecture_error
+
+            raise unknown_architecture_error(architecture, self.get_supported_archs()) from None
+
+    def resolve_model_cls(self, architecture: str) -> type:
+        """Import and return the model class, in this process (workers call this)."""
+        return self._entry(architecture).load_model_cls()
+
+    def inspect_model_cls(self, architecture: str, timeout: float = DEFAULT_INSPECT_TIMEOUT_S) -> ModelInfo:
+        """The ModelInfo of an architecture: from memory, else the JSON cache, else a subprocess."""
+        entry = self._entry(architecture)
+        if entry.model_cls is not None:  # registered as a class: already imported here
+            return ModelInfo.from_model_cls(architecture, entry.model_cls)
+        source_hash = entry.source_hash()
+        key = (architecture, source_hash)
+        with self._lock:
+            if key in self._infos:
+                return self._infos[key]
+        info = self._read_cache(architecture, entry, source_hash)
+        if info is None:
+            info = self._inspect_with_subprocess(architecture, entry, timeout)
+            self._write_cache(entry, source_hash, info)
+        with self._lock:
+            self._infos[key] = info
+        return info
+
+    def inspect_all(self, architectures: Iterable[str] | None = None,
+                    max_workers: int | None = None) -> dict[str, ModelInfo | Exception]:
+        """Inspect many architectures at once, each in its own warm child, ``max_workers`` at a time.
+
+        Returns each architecture's ModelInfo, or the exception its inspection raised.
+        """
+        archs = list(architectures if architectures is not None else self.models)
+        workers = max_workers or min(len(archs), os.cpu_count() or 1) or 1
+
+        def inspect(arch: str) -> ModelInfo | Exception:
+            try:
+                return self.inspect_model_cls(arch)
+            except Exception as e:  # noqa: BLE001 - reported per architecture
+                return e
+
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="inspect") as pool:
+            return dict(zip(archs, pool.map(inspect, archs)))
+
+    def _inspect_with_subprocess(self, architecture: str, entry: RegisteredModel, timeout: float) -> ModelInfo:
+        from engine_ref.isolation import IsolatedProcessError, RemoteTraceback, run_isolated
+
+        self.subprocess_inspections += 1
+        try:
+            return run_isolated(_inspect_in_subprocess, architecture, entry, timeout=timeout,
+                                name=f"inspect {architecture}")
+        except IsolatedProcessError as e:
+            detail = str(e)
+        except Exception as e:  # noqa: BLE001 - the child's own error, carried verbatim
+            cause = e.__cause__
+            detail = cause.text if isinstance(cause, RemoteTraceback) else f"{type(e).__name__}: {e}"
+        raise ModelInspectionError(
+            f"Error inspecting model architecture {architecture!r} ({entry.spec}) in a subprocess. "
+            f"The child process reported:\n{detail}"
+        )
+
+    # -- the JSON cache ------------------------------------------------------------------------
+
+    @staticmethod
+    def _cache_path(entry: RegisteredModel) -> Path:
+        return envs.cache_root() / "modelinfos" / f"{entry.module_name}-{entry.class_name}.json"
+
+    def _read_cache(self, architecture: str, entry: RegisteredModel, source_hash: str | None) -> ModelInfo | None:
+        if source_hash is None:
+            return None
+        path = self._cache_path(entry)
+        try:
+            data = json.loads(path.read_text())
+            if data["format_version"] != MODEL_INFO_FORMAT_VERSION or data["source_hash"] != source_hash:
+                return None
+            info = ModelInfo.from_dict(data["model_info"])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("ignoring unreadable model info cache %s (%s); it will be rewritten", path, e)
+            return None
+        return info if info.architecture == architecture else None
+
+    def _write_cache(self, entry: RegisteredModel, source_hash: str | None, info: ModelInfo) -> None:
+        """Write atomically (temp file + rename), so concurrent writers and readers never see half a file."""
+        if source_hash is None:
+            return
+        path = self._cache_path(entry)
+        data = {"format_version": MODEL_INFO_FORMAT_VERSION, "source_hash": source_hash,
+                "model_info": info.to_dict()}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(data, f, indent=2)
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError as e:
+            logger.warning("could not write model info cache %s: %s", path, e)
+
+
+ModelRegistry = _ModelRegistry({
+    arch: RegisteredModel(f"engine_ref.model_executor.models.{module}", cls)
+    for arch, (module, cls) in _ENGINE_REF_MODELS.items()
+})

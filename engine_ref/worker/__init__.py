@@ -1,0 +1,1 @@
+"""A worker runs one rank: device, process group, model, KV cache."""

@@ -1,0 +1,117 @@
+"""Worker: one rank of the engine, from device set-up to a bound KV cache.
+
+The executor drives every worker through the same calls, in order:
+    Worker(...)  (init_worker)  ->  init_device  ->  load_model
+    ->  determine_available_memory  ->  initialize_cache(num_blocks)  ->  execute_model ...
+Memory is accounted exactly per category; on CPU the device capacity is the configured
+(simulated) device_memory, on CUDA the GPU's own (or device_memory, if set, to emulate a smaller one).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from engine_ref.config import EngineConfig
+from engine_ref.distributed.parallel_state import destroy_distributed_environment, init_distributed_environment
+from engine_ref.engine.report import PhaseTimer, WorkerReport
+from engine_ref.engine.scheduler import SchedulerOutput
+from engine_ref.errors import ConfigError
+from engine_ref.kv_cache.spec import FullAttentionSpec
+from engine_ref.memory.accounting import MemoryUsage, module_bytes, storage_bytes
+from engine_ref.model_executor.layers.attention import Attention
+from engine_ref.model_executor.model_loader.loaders import get_model_loader
+from engine_ref.plugins import load_general_plugins
+from engine_ref.worker.model_runner import ModelRunner
+
+
+class Worker:
+    """One rank of the engine (a process of its own under the multiprocess executor)."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
+        load_general_plugins()
+        self.config, self.rank = config, rank
+        self.distributed_init_method = distributed_init_method
+        self.timer = PhaseTimer()
+        self.device = torch.device("cpu")
+        self.memory = MemoryUsage(capacity=0)
+        self.bytes_read = 0
+        self.model: nn.Module | None = None
+        self.model_runner: ModelRunner | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.config.parallel_config.world_size
+
+    def init_device(self) -> None:
+        """Pick the device, join the engine's process group (gloo on CPU, nccl on CUDA), seed."""
+        with self.timer.phase("init_device"):
+            device_config = self.config.device_config
+            if device_config.device == "cuda":
+                if not torch.cuda.is_available():
+                    raise ConfigError("device='cuda' but no CUDA device is visible to this worker; use device='cpu'.")
+                self.device = torch.device("cuda", self.rank % torch.cuda.device_count())
+                torch.cuda.set_device(self.device)
+                capacity = device_config.capacity_bytes or torch.cuda.mem_get_info(self.device)[1]
+                backend = "nccl"
+            else:
+                capacity = device_config.capacity_bytes
+                backend = "gloo"
+                if self.world_size > 1:  # ranks share the cores instead of each taking all of them
+                    torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+            self.memory = MemoryUsage(capacity=capacity)
+            if self.world_size > 1 and self.distributed_init_method is None:
+                raise ValueError("a worker of a multi-rank engine needs a distributed_init_method")
+            init_distributed_environment(self.world_size, self.rank, self.distributed_init_method or "", backend,
+                                         timeout_s=self.config.parallel_config.ready_timeout_s)
+            torch.manual_seed(self.config.model_config.seed)
+
+    def load_model(self) -> None:
+        """Build this rank's shard of the model and load its weights."""
+        with self.timer.phase("load_model"):
+            loader = get_model_loader(self.config.load_config)
+            self.model = loader.load_model(self.config, self.device)
+            self.bytes_read = loader.stats.bytes_read
+            self.memory.weights = module_bytes(self.model)
+            self.model_runner = ModelRunner(self.model, self.config, self.device)
+
+    def determine_available_memory(self) -> int:
+        """Bytes left for the KV cache: capacity * gpu_memory_utilization - weights - activation peak."""
+        with self.timer.phase("profile_run"):
+            self.memory.activation_peak = self.model_runner.profile_run()
+        budget = int(self.memory.capacity * self.config.cache_config.gpu_memory_utilization)
+        return budget - self.memory.weights - self.memory.activation_peak
+
+    def attention_layers(self) -> dict[str, Attention]:
+        return {name: m for name, m in self.model.named_modules() if isinstance(m, Attention)}
+
+    def get_kv_cache_spec(self) -> dict[str, FullAttentionSpec]:
+        dtype_bytes = self.config.model_config.torch_dtype.itemsize
+        block_size = self.config.cache_config.block_size
+        return {name: FullAttentionSpec(block_size, attn.num_kv_heads, attn.head_size, dtype_bytes)
+                for name, attn in self.attention_layers().items()}
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks in every attention layer and bind them."""
+        with self.timer.phase("initialize_cache"):
+            block_size = self.config.cache_config.block_size
+            dtype = self.config.model_config.torch_dtype
+            caches = []
+            for attn in self.attention_layers().values():
+                attn.kv_cache = torch.empty(2, num_blocks, block_size, attn.num_kv_heads, attn.head_size,
+                                            dtype=dtype, device=self.device)
+                caches.append(attn.kv_cache)
+            self.memory.kv_cache = storage_bytes(caches)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> list[int]:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def report(self) -> WorkerReport:
+        return WorkerReport(rank=self.rank, pid=os.getpid(), device=str(self.device),
+                            phases=dict(self.timer.seconds), bytes_read=self.bytes_read, memory=self.memory)
+
+    def shutdown(self) -> None:
+        self.model = self.model_runner = None
+        destroy_distributed_environment()

@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny checkpoints generated once per session, with a fixed seed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ARCHITECTURES = [
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "LlavaForConditionalGeneration",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``tiny_checkpoint(arch, **make_checkpoint_kwargs) -> Path``, cached per arguments for the session.
+
+    Tests must not modify the returned directory; copy it first (``shutil.copytree``) to corrupt it.
+    """
+    from engine_ref.model_executor.model_loader.checkpoint import make_checkpoint
+
+    made: dict[str, Path] = {}
+
+    def make(architecture: str, **kwargs: Any) -> Path:
+        key = f"{architecture}-{sorted(kwargs.items())}"
+        if key not in made:
+            made[key] = make_checkpoint(architecture, tmp_path_factory.mktemp(architecture), **kwargs)
+        return made[key]
+
+    return make
