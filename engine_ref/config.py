@@ -95,7 +95,7 @@ class ModelConfig:
             raise ConfigError(f"model={self.model!r} has no config.json; a model directory needs config.json.")
         self.hf_config = HFConfig.from_file(config_path)
         archs = self.hf_config.get("architectures")
-        if not archs or not isinstance(archs, list):
+        if not archs or not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
             raise ConfigError(
                 f"{config_path} has no 'architectures' list; add e.g. \"architectures\": [\"LlamaForCausalLM\"]."
             )
@@ -104,8 +104,16 @@ class ModelConfig:
         text = get_text_config(self.hf_config)
         for name in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
             if name not in text:
-                raise MissingConfigField(f"{config_path} lacks {name!r}, which every language model needs.")
+                raise MissingConfigField(
+                    f"{config_path} lacks {name!r}, which every language model needs; add it to config.json."
+                )
             _positive_int(f"config.json {name}", text[name])
+        kv_heads = text.get("num_key_value_heads") or text["num_attention_heads"]
+        if text["num_attention_heads"] % kv_heads:
+            raise ConfigError(
+                f"{config_path}: num_attention_heads={text['num_attention_heads']} is not a multiple of "
+                f"num_key_value_heads={kv_heads}; grouped-query attention needs whole groups, fix config.json."
+            )
         max_position = text.get("max_position_embeddings")
         if self.max_model_len is None:
             if max_position is None:
@@ -126,6 +134,11 @@ class ModelConfig:
             requested = str(self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32")
             requested = requested.removeprefix("torch.")
         if requested not in DTYPES:
+            if str(self.dtype).removeprefix("torch.") == "auto":  # the bad value came from config.json
+                raise ConfigError(
+                    f"dtype='auto' resolves to config.json's dtype {requested!r}, which is not supported; "
+                    f"pass dtype as one of float32, float16, bfloat16."
+                )
             raise ConfigError(
                 f"dtype={self.dtype!r} is not supported; use one of auto, float32, float16, bfloat16."
             )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class EngineRefError(Exception):
     """Base class of every error engine_ref raises on purpose."""
@@ -28,7 +30,29 @@ class WeightLoadError(EngineRefError):
 
 
 class KVCacheTooSmallError(EngineRefError):
-    """The memory left for the KV cache cannot hold one request of max_model_len tokens."""
+    """The memory left for the KV cache cannot hold one request of max_model_len tokens.
+
+    ``shortfall`` (when the engine knows it) says what the most constrained rank needed.
+    """
+
+    def __init__(self, message: str, shortfall: MemoryShortfall | None = None) -> None:
+        super().__init__(message)
+        self.shortfall = shortfall
+
+
+@dataclass(frozen=True)
+class MemoryShortfall:
+    """One rank's needs when the engine did not fit: weights, activation peak, KV of one request."""
+
+    rank: int
+    weights: int
+    activation_peak: int
+    kv_cache: int
+    capacity: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.activation_peak + self.kv_cache
 
 
 class WorkerStartupError(EngineRefError):

@@ -7,16 +7,22 @@ process, started once per parent by exec (so it never inherits CUDA state), prel
 engine_ref's core (``engine_ref.warmup``, which imports no model module and never touches CUDA) and
 forks a child for each request.
 
+A child that starts children of its own (the registry's inspection inside a check, the workers of
+an engine a check starts) forks them directly: it is itself warm, single-threaded and CUDA-free,
+whereas asking for a forkserver there would start a new one (seconds).
+
 Every child gets, on top of what multiprocessing gives:
 - the parent's current environment (forkserver children would otherwise see the server's);
 - its own process group, or its caller's when the caller is itself an isolated child, so that
   ``kill_tree`` ends a child together with everything it started;
-- a death pipe: when the parent process dies, the child kills its group and exits;
+- a death pipe armed with O_ASYNC: when the parent dies, the kernel sends SIGIO (whose default
+  action terminates) to the child's process group, with no thread and no Python code involved;
 - faulthandler on SIGUSR1, so a hung child's Python stacks can be read back before it is killed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import faulthandler
 import logging
 import multiprocessing
@@ -40,18 +46,24 @@ from engine_ref.errors import ConfigError, EngineRefError
 
 logger = logging.getLogger(__name__)
 
-PRELOAD_MODULES = ["engine_ref.warmup"]
+PRELOAD_MODULES = ["engine_ref.warmup"]  # extend with add_preload_modules()
 START_METHODS = ("forkserver", "spawn", "fork")
 
-# True in a child started by start_process: its own children then join its process group.
+# True in a child started by start_process: its own children fork from it and join its group.
 _in_isolated_group = False
+_death_pipe: Connection | None = None  # kept open for the life of the child
 # Set while this thread starts one of our children: see _preparation_data.
 _launching = threading.local()
 _original_get_preparation_data = multiprocessing.spawn.get_preparation_data
 
 
 class IsolatedProcessError(EngineRefError):
-    """An isolated child did not return: it crashed, exited early or timed out."""
+    """An isolated child did not return: it crashed, exited early or timed out.
+
+    ``output`` is what the child wrote to stdout and stderr.
+    """
+
+    output: str = ""
 
 
 class ProcessCrashedError(IsolatedProcessError):
@@ -140,6 +152,8 @@ def get_mp_context() -> BaseContext:
     interpreter per child (slow; for platforms without fork).
     """
     method = envs.worker_multiproc_method()
+    if _in_isolated_group and method == "forkserver":
+        method = "fork"  # this process is warm itself (see the module docstring)
     if method not in START_METHODS:
         raise ConfigError(
             f"ENGINE_REF_WORKER_MULTIPROC_METHOD={method!r} is unknown; use one of {', '.join(START_METHODS)}."
@@ -169,17 +183,20 @@ class _ChildSetup:
     pgid: int  # 0: lead a new group
     death_r: Connection
     stack_w: Connection
+    death_w: Connection | None = None  # set under "fork" only: the inherited copy to close in the child
 
 
-def _watch_parent(death_r: Connection) -> None:
-    """Block until the parent's end of the death pipe closes, then take this process group down."""
-    try:
-        death_r.recv_bytes()
-    except (EOFError, OSError):
-        pass
-    if os.getpgrp() == os.getpid():
-        os.killpg(os.getpid(), signal.SIGKILL)
-    os._exit(1)
+def _arm_death_pipe(death_r: Connection) -> None:
+    """Have the kernel SIGIO this process group (or this process) once the parent's end closes."""
+    global _death_pipe
+    _death_pipe = death_r
+    fd = death_r.fileno()
+    leads_group = os.getpgrp() == os.getpid()
+    fcntl.fcntl(fd, fcntl.F_SETOWN, -os.getpgrp() if leads_group else os.getpid())
+    signal.signal(signal.SIGIO, signal.SIG_DFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_ASYNC)
+    if death_r.poll():  # the parent died before the pipe was armed
+        os.kill(0 if leads_group else os.getpid(), signal.SIGIO)
 
 
 def _child_main(setup: _ChildSetup, target: Callable[..., Any], args: tuple) -> None:
@@ -191,8 +208,15 @@ def _child_main(setup: _ChildSetup, target: Callable[..., Any], args: tuple) -> 
     except OSError:  # the caller's group is gone or in another session: lead our own
         os.setpgid(0, 0)
     _in_isolated_group = True
+    if _cuda_initialized():
+        raise RuntimeError(
+            f"the warm parent of this {multiprocessing.get_start_method()} child has initialized CUDA, so the "
+            f"child cannot use it; a preloaded module ({', '.join(PRELOAD_MODULES)}) touched CUDA at import.")
+    if setup.death_w is not None:
+        setup.death_w.close()
+    faulthandler.enable(all_threads=True)  # a segfault leaves the Python stacks on stderr
     faulthandler.register(signal.SIGUSR1, file=setup.stack_w.fileno(), all_threads=True)
-    threading.Thread(target=_watch_parent, args=(setup.death_r,), daemon=True, name="death-pipe").start()
+    _arm_death_pipe(setup.death_r)
     target(*args)
 
 
@@ -290,7 +314,8 @@ def start_process(target: Callable[..., Any], *args: Any, name: str = "engine_re
     death_r, death_w = ctx.Pipe(duplex=False)
     stack_r, stack_w = ctx.Pipe(duplex=False)
     pgid = os.getpgrp() if _in_isolated_group else 0
-    setup = _ChildSetup(env=dict(os.environ), pgid=pgid, death_r=death_r, stack_w=stack_w)
+    setup = _ChildSetup(env=dict(os.environ), pgid=pgid, death_r=death_r, stack_w=stack_w,
+                        death_w=death_w if ctx.get_start_method() == "fork" else None)
     process = ctx.Process(target=_child_main, args=(setup, target, args), name=name, daemon=False)
     _launching.active = True
     try:
@@ -302,27 +327,42 @@ def start_process(target: Callable[..., Any], *args: Any, name: str = "engine_re
     return WarmProcess(process, death_w, stack_r, leads_group=pgid == 0)
 
 
-def _run_and_send(payload: bytes, result_w: Connection) -> None:
+def _run_and_send(payload: bytes, result_w: Connection, output_w: Connection) -> None:
     import cloudpickle
 
+    os.dup2(output_w.fileno(), 1)
+    os.dup2(output_w.fileno(), 2)
+    output_w.close()
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
-        outcome: tuple = ("ok", fn(*args, **kwargs))
-    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
-        outcome = ("error", e, traceback.format_exc())
-    try:
-        data = cloudpickle.dumps(outcome)
-    except Exception:  # noqa: BLE001 - the result or the exception does not pickle
-        if outcome[0] == "ok":
-            e = TypeError(f"the return value of type {type(outcome[1]).__name__} cannot be pickled")
-            outcome = ("error", e, "".join(traceback.format_exception(e)))
-        exc = outcome[1]
-        data = cloudpickle.dumps(("unpicklable", type(exc).__qualname__, str(exc), outcome[2]))
-    result_w.send_bytes(data)
+        value = fn(*args, **kwargs)
+    except SystemExit as e:  # the child asked to exit: the parent sees an exit code, as for any process
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(e.code if isinstance(e.code, int) else 1)
+    except BaseException as e:  # noqa: BLE001 - everything else goes back to the parent
+        try:
+            exc_bytes = cloudpickle.dumps(e)
+        except Exception:  # noqa: BLE001 - the exception does not pickle: its text still travels
+            exc_bytes = None
+        outcome: tuple = ("error", exc_bytes, type(e).__qualname__, str(e), traceback.format_exc())
+    else:
+        try:
+            outcome = ("ok", cloudpickle.dumps(value))
+        except Exception:  # noqa: BLE001
+            message = f"the return value of type {type(value).__name__} cannot be pickled"
+            outcome = ("error", None, "TypeError", message, f"TypeError: {message}\n")
+    result_w.send_bytes(cloudpickle.dumps(outcome))
     result_w.close()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def tail(text: str, lines: int = 30) -> str:
+    """The last ``lines`` lines of ``text``."""
+    kept = text.rstrip().splitlines()[-lines:]
+    return "\n".join(kept)
 
 
 def run_isolated(fn: Callable[..., Any], *args: Any, timeout: float | None = None,
@@ -332,56 +372,105 @@ def run_isolated(fn: Callable[..., Any], *args: Any, timeout: float | None = Non
     The function and its arguments travel with cloudpickle. An exception in the child is re-raised
     here as itself, with the child's traceback as ``__cause__`` (a RemoteTraceback). A child that
     dies raises ProcessCrashedError; one that outlives ``timeout`` has its stacks dumped, its whole
-    process tree killed, and raises ProcessTimeoutError. Nothing it started outlives the call.
+    process tree killed, and raises ProcessTimeoutError. Nothing it started outlives the call. What
+    the child prints (stdout and stderr, from any library) is written to this process's stderr,
+    where pytest captures it with the test.
     """
     import cloudpickle
 
     ctx = get_mp_context()
     result_r, result_w = ctx.Pipe(duplex=False)
+    output_r, output_w = ctx.Pipe(duplex=False)
     label = name or getattr(fn, "__qualname__", "function")
-    child = start_process(_run_and_send, cloudpickle.dumps((fn, args, kwargs)), result_w,
+    child = start_process(_run_and_send, cloudpickle.dumps((fn, args, kwargs)), result_w, output_w,
                           name=f"isolated:{label}", ctx=ctx)
     result_w.close()
+    output_w.close()
+    output = bytearray()
+
+    def drain(block_s: float) -> None:
+        while multiprocessing.connection.wait([output_r], timeout=block_s):
+            chunk = os.read(output_r.fileno(), 65536)
+            if not chunk:
+                return
+            output.extend(chunk)
+            block_s = 0
+
     try:
         deadline = None if timeout is None else time.monotonic() + timeout
         data: bytes | None = None
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = multiprocessing.connection.wait([result_r, child.sentinel], timeout=remaining)
+            ready = multiprocessing.connection.wait([result_r, output_r, child.sentinel], timeout=remaining)
+            if output_r in ready:
+                drain(0)
             if result_r in ready or result_r.poll():
                 try:
                     data = result_r.recv_bytes()
                 except EOFError:
                     data = None
                 break
-            if ready:  # the child ended without a result
+            if child.sentinel in ready:  # the child ended without a result
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 stacks = child.dump_stacks()
                 child.kill_tree()
-                raise ProcessTimeoutError(
+                drain(0.1)
+                error: IsolatedProcessError = ProcessTimeoutError(
                     f"{label} did not finish within {timeout:g} s and was killed. "
                     f"Its Python stacks at that moment:\n{stacks or '(none could be read)'}",
                     stacks,
                 )
+                error.output = output.decode(errors="replace")
+                raise error
         if data is None:
             child.join(5)
-            raise ProcessCrashedError(
-                f"{label} {describe_exitcode(child.exitcode)} before returning a result.", child.exitcode
-            )
+            drain(0.1)
+            text = output.decode(errors="replace")
+            error = ProcessCrashedError(
+                f"{label} {describe_exitcode(child.exitcode)} before returning a result."
+                + (f" Its last output:\n{tail(text)}" if text.strip() else ""), child.exitcode)
+            error.output = text
+            raise error
         return _unpack_result(cloudpickle.loads(data))
     finally:
         result_r.close()
         child.close(grace_s=5.0)
+        drain(0)
+        output_r.close()
+        if output:
+            sys.stderr.write(output.decode(errors="replace"))
+            sys.stderr.flush()
 
 
 def _unpack_result(outcome: tuple) -> Any:
-    kind = outcome[0]
-    if kind == "ok":
-        return outcome[1]
-    if kind == "error":
-        _, exc, tb_text = outcome
-        exc.__cause__ = RemoteTraceback(tb_text)
-        raise exc
-    _, type_name, message, tb_text = outcome
-    raise RemoteError(type_name, message, tb_text)
+    import cloudpickle
+
+    if outcome[0] == "ok":
+        return cloudpickle.loads(outcome[1])
+    _, exc_bytes, type_name, message, tb_text = outcome
+    try:
+        exc = cloudpickle.loads(exc_bytes) if exc_bytes is not None else None
+    except Exception:  # noqa: BLE001 - e.g. an __init__ that takes other arguments than it passes up
+        exc = None
+    if not isinstance(exc, BaseException):
+        raise RemoteError(type_name, message, tb_text)
+    exc.__cause__ = RemoteTraceback(tb_text)
+    raise exc
+
+
+def add_preload_modules(*names: str) -> None:
+    """Also import these modules in the warm parent (they must import no model and touch no CUDA).
+
+    Takes effect when the warm parent starts, so call it before the first child.
+    """
+    PRELOAD_MODULES.extend(n for n in names if n not in PRELOAD_MODULES)
+
+
+def ensure_warm_parent() -> None:
+    """Start the warm parent now (it otherwise starts on the first child), e.g. before a leak snapshot."""
+    ctx = get_mp_context()
+    if ctx.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()

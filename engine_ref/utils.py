@@ -1,9 +1,9 @@
-"""Small helpers shared across engine_ref: sizes, ports, arithmetic."""
+"""Small helpers shared across engine_ref: sizes and arithmetic."""
 
 from __future__ import annotations
 
 import re
-import socket
+from fractions import Fraction
 
 from engine_ref.errors import ConfigError
 
@@ -33,7 +33,7 @@ def parse_size(value: str | int, field: str = "size") -> int:
             f"{field}={value!r} is not a size; write a number with a unit such as '8GiB', '512MiB' or '80GB' "
             f"(units: {', '.join(u for u in _UNITS if u)})."
         )
-    size = int(float(match.group(1)) * _UNITS[unit])
+    size = int(Fraction(match.group(1)) * _UNITS[unit])  # exact: float loses bytes above 2**53
     if size <= 0:
         raise ConfigError(f"{field}={value!r} must be larger than zero.")
     return size
@@ -59,10 +59,3 @@ def divide(numerator: int, denominator: int) -> int:
 def cdiv(a: int, b: int) -> int:
     """Ceiling division."""
     return -(a // -b)
-
-
-def get_open_port() -> int:
-    """A free TCP port on the loopback interface, chosen by the kernel (never a fixed port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

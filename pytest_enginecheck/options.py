@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-CHECKS = ("import", "inspect", "load", "budget", "startup")
+from pytest_enginecheck.checks import CHECKS
 
 HELP = {
     "enginecheck": "check every registered architecture of the target engine (import, inspect, load, budget, startup)",

@@ -12,12 +12,17 @@ from __future__ import annotations
 from engine_ref.config import EngineArgs, EngineConfig
 from engine_ref.engine.report import PhaseTimer, StartupReport
 from engine_ref.engine.scheduler import Request, Scheduler
-from engine_ref.errors import KVCacheTooSmallError
+from engine_ref.errors import KVCacheTooSmallError, MemoryShortfall
 from engine_ref.executor.abstract import Executor
 from engine_ref.kv_cache.block_pool import BlockPool
-from engine_ref.kv_cache.spec import check_enough_kv_cache_memory, get_num_blocks
+from engine_ref.kv_cache.spec import (
+    FullAttentionSpec,
+    bytes_per_block,
+    check_enough_kv_cache_memory,
+    get_num_blocks,
+)
 from engine_ref.plugins import load_general_plugins
-from engine_ref.utils import format_bytes
+from engine_ref.utils import cdiv, format_bytes
 
 
 class EngineCore:
@@ -59,22 +64,31 @@ class EngineCore:
         per_rank = self.executor.determine_available_memory()
         available = min(per_rank)
         cache = self.config.cache_config
-        if available <= 0 and cache.num_gpu_blocks_override is None:
-            rank = per_rank.index(available)
-            memory = self.executor.worker_reports()[rank].memory
-            raise KVCacheTooSmallError(
-                f"No memory is left for the KV cache on rank {rank}: weights ({format_bytes(memory.weights)}) "
-                f"and the profile run's activation peak ({format_bytes(memory.activation_peak)}) exceed "
-                f"{cache.gpu_memory_utilization} x {format_bytes(memory.capacity)} of device memory. Raise the "
-                f"device memory or gpu_memory_utilization, lower max_num_batched_tokens (the profile run's "
-                f"size), or raise tensor_parallel_size."
-            )
         specs = self.executor.get_kv_cache_specs()[0]
+        if available <= 0 and cache.num_gpu_blocks_override is None:
+            shortfall = self._shortfall(per_rank, specs)
+            raise KVCacheTooSmallError(
+                f"No memory is left for the KV cache on rank {shortfall.rank}: weights "
+                f"({format_bytes(shortfall.weights)}) and the profile run's activation peak "
+                f"({format_bytes(shortfall.activation_peak)}) exceed {cache.gpu_memory_utilization} x "
+                f"{format_bytes(shortfall.capacity)} of device memory. Raise the device memory or "
+                f"gpu_memory_utilization, lower max_num_batched_tokens (the profile run's size), or raise "
+                f"tensor_parallel_size.", shortfall)
         num_blocks = cache.num_gpu_blocks_override or get_num_blocks(specs, available)
-        check_enough_kv_cache_memory(specs, num_blocks, cache.block_size,
-                                     self.config.model_config.max_model_len, available)
+        try:
+            check_enough_kv_cache_memory(specs, num_blocks, cache.block_size,
+                                         self.config.model_config.max_model_len, available)
+        except KVCacheTooSmallError as e:
+            raise KVCacheTooSmallError(str(e), self._shortfall(per_rank, specs)) from None
         self.executor.initialize_cache(num_blocks)
         return num_blocks
+
+    def _shortfall(self, per_rank: list[int], specs: dict[str, FullAttentionSpec]) -> MemoryShortfall:
+        """What the most constrained rank needs: its weights, activation peak, KV of one request."""
+        rank = per_rank.index(min(per_rank))
+        memory = self.executor.worker_reports()[rank].memory
+        kv = cdiv(self.config.model_config.max_model_len, self.config.cache_config.block_size) * bytes_per_block(specs)
+        return MemoryShortfall(rank, memory.weights, memory.activation_peak, kv, memory.capacity)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

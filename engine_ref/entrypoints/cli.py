@@ -48,6 +48,19 @@ def cmd_startup(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """Predict per-rank memory of a full-size config.json on a device, without weights; exit 1 if it does not fit."""
+    from engine_ref.memory.estimate import estimate_memory
+
+    estimate = estimate_memory(
+        args.config, device_memory=args.device_memory, tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+    )
+    print(estimate.to_json() if args.json else estimate.format_table())
+    return 0 if estimate.fits else 1
+
+
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     """Write a tiny random HF-layout checkpoint of an architecture."""
     from engine_ref.model_executor.model_loader.checkpoint import make_checkpoint
@@ -100,6 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     commands["startup"] = cmd_startup
+
+    p = sub.add_parser("estimate", help=cmd_estimate.__doc__)
+    p.add_argument("config", metavar="CONFIG_JSON_OR_DIR", help="a config.json (any file name) or a model directory")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--dtype", default="auto", help="default: config.json's torch_dtype")
+    p.add_argument("--device-memory", required=True, help="each rank's device memory, e.g. 80GiB")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: max_position_embeddings")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: max(max_model_len, 2048)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    commands["estimate"] = cmd_estimate
 
     p = sub.add_parser("make-checkpoint", help=cmd_make_checkpoint.__doc__)
     p.add_argument("architecture")

@@ -13,7 +13,7 @@ from engine_ref.config import EngineArgs
 from engine_ref.engine.core import EngineCore
 from engine_ref.engine.report import StartupReport
 from engine_ref.engine.scheduler import Request
-from engine_ref.errors import InputError
+from engine_ref.errors import EngineDeadError, InputError
 
 
 class LLM:
@@ -38,6 +38,8 @@ class LLM:
         ``images`` (one entry per prompt, or None) feed multimodal models: a ``[3, H, W]`` or
         ``[n, 3, H, W]`` tensor for prompts that hold image placeholder tokens.
         """
+        if self.engine.executor.is_shutdown:
+            raise EngineDeadError("this LLM was shut down; create a new LLM(...) to generate again.")
         model_config = self.engine.config.model_config
         vocab_size = model_config.hf_text_config.vocab_size
         max_len = model_config.max_model_len
@@ -46,13 +48,16 @@ class LLM:
             eos = eos[0] if eos else None
         if images is not None and len(images) != len(prompt_token_ids):
             raise InputError(f"{len(images)} images entries for {len(prompt_token_ids)} prompts; give one per prompt.")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise InputError(f"max_tokens={max_tokens!r} must be a positive integer.")
         requests = []
         for i, prompt in enumerate(prompt_token_ids):
+            if not isinstance(prompt, (list, tuple)):
+                raise InputError(f"prompt {i} is a {type(prompt).__name__}, not a list of token ids; pass "
+                                 f"prompt_token_ids=[[...], ...], one list per prompt.")
             if not prompt:
                 raise InputError(f"prompt {i} is empty; give at least one token id.")
-            bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
+            bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
             if bad:
                 raise InputError(f"prompt {i} holds token ids outside [0, {vocab_size}): {bad[:5]}.")
             if len(prompt) + max_tokens > max_len:

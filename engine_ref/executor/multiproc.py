@@ -1,60 +1,132 @@
 """MultiprocExecutor: one WorkerProc per rank, each a warm fork (see engine_ref.isolation).
 
-Startup: every WorkerProc is created before any is waited on (init_device is a collective), each
-runs init_worker -> init_device -> load_model and answers READY over its pipe. While waiting,
-the executor watches every worker's process sentinel, so a worker that raises, dies or hangs
-fails startup at once with its rank and its own traceback, signal or Python stacks.
+Start method. Workers start through ``engine_ref.isolation.start_process``: by default each is a
+fork of the forkserver, a process started by exec (so it holds no CUDA state, whatever this
+process did) that preloaded torch. A worker therefore costs milliseconds and shares torch's pages
+instead of importing it again (seconds). ENGINE_REF_WORKER_MULTIPROC_METHOD=fork forks this process
+instead, and falls back to spawn, with a warning, once this process has initialized CUDA; spawn
+starts a fresh interpreter per worker. No path forks a process that has initialized CUDA.
 
-After startup a monitor thread watches the sentinels: a worker that dies marks the executor
-dead within milliseconds, and every later call raises EngineDeadError naming rank and signal.
-Shutdown asks politely, then SIGTERM, then SIGKILL to each worker's process group; it is
-idempotent and also runs at interpreter exit.
+Rendezvous. Each engine's ranks meet through a torch.distributed FileStore in a private temp dir
+(``file://<mkdtemp>/store``), made at startup and removed once every rank is ready (the groups are
+formed by then; a failed startup removes it at shutdown). No port is chosen at all: a
+port found free by probing can be taken by another engine before rank 0 binds it, whereas a fresh
+directory belongs to one engine. gloo's own connections bind ports the kernel picks.
+
+Startup. Every WorkerProc is created before any is waited on (init_device is a collective), each
+runs init_worker -> init_device -> load_model and answers READY over its pipe. While waiting, the
+executor watches every worker's process sentinel, so a worker that raises, dies or hangs fails
+startup at once with its rank and its own traceback, signal or Python stacks (faulthandler).
+
+After startup a monitor thread watches the sentinels: a worker that dies marks the executor dead
+within milliseconds and takes the other workers down; every later call raises EngineDeadError
+naming the rank and the signal. Shutdown asks politely, then SIGTERM, then SIGKILL to each
+worker's process group; it is idempotent and also runs at interpreter exit. A worker whose parent
+dies exits on its own (the death pipe, see engine_ref.isolation).
+
+Messages are pickled with plain ``pickle`` and sent as bytes. ``Connection.send`` would use
+multiprocessing's ForkingPickler, through which torch moves tensors (a Llava request's pixels) into
+shared memory and starts a resource-sharer thread and socket that outlive the call.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
+import logging
+import multiprocessing
 import multiprocessing.connection
+import pickle
+import shutil
+import tempfile
 import threading
 import time
 import traceback
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from engine_ref.config import EngineConfig
-from engine_ref.errors import EngineDeadError, WorkerStartupError
+from engine_ref.config import DEFAULT_READY_TIMEOUT_S, EngineConfig
+from engine_ref.errors import EngineDeadError, EngineRefError, WorkerStartupError
 from engine_ref.executor.abstract import Executor
-from engine_ref.isolation import WarmProcess, describe_exitcode, get_mp_context, start_process
-from engine_ref.utils import get_open_port
+from engine_ref.isolation import RemoteTraceback, WarmProcess, describe_exitcode, get_mp_context, start_process
 
-SHUTDOWN_GRACE_S = 5.0
-_READY, _FAILED, _OK, _ERROR = "ready", "failed", "ok", "error"
+if TYPE_CHECKING:
+    from engine_ref.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+READY, FAILED, OK, ERROR = "ready", "failed", "ok", "error"  # the statuses of a worker's answers
+
+RpcMethod = str | Callable[..., Any]
 
 
-class WorkerError(Exception):
-    """An exception a worker raised while serving a call, with the worker's own traceback."""
+class WorkerError(EngineRefError):
+    """A worker raised while serving a call; the message and ``__cause__`` hold its traceback."""
+
+    def __init__(self, message: str, rank: int, remote_traceback: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
 
 
-@dataclass
+def _send(conn: Connection, obj: Any) -> None:
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def startup_error(rank: int, pid: int | None, what: str, remote_traceback: str | None = None) -> WorkerStartupError:
+    """WorkerStartupError naming the rank; ``remote_traceback`` (the worker's own) is its message's tail and cause."""
+    message = f"Worker rank {rank} (pid {pid}) {what}"
+    if remote_traceback:
+        message += f"\n\nTraceback of rank {rank}:\n{remote_traceback}"
+    error = WorkerStartupError(message)
+    if remote_traceback:
+        error.__cause__ = RemoteTraceback(remote_traceback)
+    return error
+
+
+@dataclass(eq=False)
 class WorkerProcHandle:
     """The parent's side of one WorkerProc: its process and the pipe to it."""
 
     rank: int
     proc: WarmProcess
     conn: Connection
+    pid: int = field(init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.pid = self.proc.pid
+
+    def exit_status(self) -> str:
+        """'was killed by SIGKILL', 'exited with code 1', once the process ended (waits up to 1 s)."""
+        with self._lock:  # a forkserver child's exit status can be read only once: not from two threads
+            self.proc.join(1.0)
+            return describe_exitcode(self.proc.exitcode)
 
     def describe_death(self) -> str:
-        return f"rank {self.rank} (pid {self.proc.pid}) {describe_exitcode(self.proc.exitcode)}"
+        """'rank 1 (pid 123) was killed by SIGKILL'."""
+        return f"rank {self.rank} (pid {self.pid}) {self.exit_status()}"
 
 
 class WorkerProc:
-    """The worker loop that runs in each rank's process."""
+    """The process of one rank: init_worker -> init_device -> load_model, READY, then serve calls."""
+
+    def __init__(self, config: EngineConfig, rank: int, distributed_init_method: str, conn: Connection) -> None:
+        self.config, self.rank, self.conn = config, rank, conn
+        self.distributed_init_method = distributed_init_method
+        self.phase = "init_worker"
+        self.worker: Worker | None = None
 
     @staticmethod
     def make_worker_process(config: EngineConfig, rank: int, distributed_init_method: str) -> WorkerProcHandle:
-        """Start the process of one rank (it begins init_device and load_model at once)."""
+        """Start the process of one rank; it begins init_device and load_model at once."""
         ctx = get_mp_context()
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         proc = start_process(WorkerProc.worker_main, config, rank, distributed_init_method, child_conn,
@@ -64,149 +136,280 @@ class WorkerProc:
 
     @staticmethod
     def worker_main(config: EngineConfig, rank: int, distributed_init_method: str, conn: Connection) -> None:
-        from engine_ref.worker.worker import Worker
-
+        """The target of a worker process: start up, answer READY (or FAILED), then serve calls."""
+        proc = WorkerProc(config, rank, distributed_init_method, conn)
         try:
-            worker = Worker(config, rank, distributed_init_method)  # init_worker
-            worker.init_device()
-            worker.load_model()
+            worker = proc.start_worker()
         except BaseException:  # noqa: BLE001 - reported to the parent verbatim
-            conn.send((_FAILED, traceback.format_exc()))
+            _send(conn, (FAILED, (proc.phase, traceback.format_exc())))
             return
-        conn.send((_READY, None))
+        _send(conn, (READY, None))
         try:
-            while True:
-                try:
-                    message = conn.recv()
-                except EOFError:
-                    break
-                if message is None:  # shutdown
-                    break
-                method, args, kwargs = message
-                try:
-                    conn.send((_OK, getattr(worker, method)(*args, **kwargs)))
-                except Exception:  # noqa: BLE001 - the parent raises it
-                    conn.send((_ERROR, traceback.format_exc()))
+            proc.worker_busy_loop()
         finally:
             worker.shutdown()
+
+    def start_worker(self) -> Worker:
+        """init_worker -> init_device (joins the process group: waits for every rank) -> load_model."""
+        from engine_ref.worker.worker import Worker
+
+        self.worker = worker = Worker(self.config, self.rank, self.distributed_init_method)
+        self.phase = "init_device"
+        worker.init_device()
+        self.phase = "load_model"
+        worker.load_model()
+        return worker
+
+    def worker_busy_loop(self) -> None:
+        """Serve ``(method, args, kwargs)`` calls until the shutdown message (None) or the pipe closes."""
+        while True:
+            try:
+                message = _recv(self.conn)
+            except EOFError:
+                return
+            if message is None:
+                return
+            method, args, kwargs = message
+            try:
+                if isinstance(method, str):
+                    func = getattr(self.worker, method)
+                else:  # a cloudpickled callable, called with the worker first (as in vLLM)
+                    import cloudpickle
+
+                    func = functools.partial(cloudpickle.loads(method), self.worker)
+                payload = pickle.dumps((OK, func(*args, **kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:  # noqa: BLE001 - the parent raises it, naming this rank
+                payload = pickle.dumps((ERROR, traceback.format_exc()), protocol=pickle.HIGHEST_PROTOCOL)
+            self.conn.send_bytes(payload)
 
 
 class MultiprocExecutor(Executor):
     """Runs each rank in its own process; all ranks form one gloo (CPU) or nccl (CUDA) group."""
 
+    shutdown_grace_s: float = 5.0  # after the shutdown message, before SIGTERM
+    terminate_grace_s: float = 1.0  # after SIGTERM, before SIGKILL
+    rpc_error_grace_s: float = 5.0  # after one rank raised, how long the others may take to answer
+
     def _init_executor(self) -> None:
         self.world_size = self.config.parallel_config.world_size
-        self.distributed_init_method = f"tcp://127.0.0.1:{get_open_port()}"
         self.workers: list[WorkerProcHandle] = []
         self.dead_reason: str | None = None
-        self._lock = threading.Lock()  # one collective_rpc at a time
+        self._state_lock = threading.Lock()  # dead_reason and is_shutdown
+        self._rpc_lock = threading.Lock()  # one collective_rpc at a time
+        self._monitor: threading.Thread | None = None
+        self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)  # wakes the monitor at shutdown
+        self._tmp_dir: str | None = None
+        self.exit_statuses: dict[int, str] = {}  # rank -> how its process ended, filled by shutdown
+        self._ready = False
         _live_executors.add(self)
         try:
-            for rank in range(self.world_size):
+            self._tmp_dir = tempfile.mkdtemp(prefix="engine_ref-mp-")
+            self.distributed_init_method = f"file://{self._tmp_dir}/store"
+            for rank in range(self.world_size):  # all of them before waiting on any
                 self.workers.append(
                     WorkerProc.make_worker_process(self.config, rank, self.distributed_init_method))
-            self._wait_for_ready(self.config.parallel_config.ready_timeout_s)
+            self._wait_for_ready(self.config.parallel_config.ready_timeout_s or DEFAULT_READY_TIMEOUT_S)
+            self._ready = True
+            # Every group is formed: gloo and nccl need the store no more, so a parent killed from
+            # now on leaves no directory behind.
+            self._remove_tmp_dir()
         except BaseException:
+            self._kill_workers()
             self.shutdown()
             raise
         self._monitor = threading.Thread(target=self._monitor_workers, daemon=True, name="WorkerMonitor")
         self._monitor.start()
 
     def _wait_for_ready(self, timeout: float) -> None:
-        pending = list(self.workers)
+        """Return once every worker answered READY; raise WorkerStartupError at the first failure."""
+        pending = {w.conn: w for w in self.workers}
+        sentinels = {w.proc.sentinel: w for w in self.workers}
         deadline = time.monotonic() + timeout
         while pending:
-            waitables = [w.conn for w in pending] + [w.proc.sentinel for w in pending]
-            ready = multiprocessing.connection.wait(waitables, timeout=max(0.0, deadline - time.monotonic()))
+            ready = multiprocessing.connection.wait([*pending, *sentinels],
+                                                    timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                stacks = "\n".join(f"--- rank {w.rank} (pid {w.proc.pid}) ---\n{w.proc.dump_stacks()}"
-                                   for w in pending)
-                raise WorkerStartupError(
-                    f"{len(pending)} worker(s) (rank {', '.join(str(w.rank) for w in pending)}) were not ready "
-                    f"within {timeout:g} s (ready_timeout_s / ENGINE_REF_READY_TIMEOUT_S) and were killed. "
-                    f"Their Python stacks:\n{stacks}"
-                )
-            for worker in list(pending):
-                if worker.conn.poll():
+                raise self._ready_timeout_error(list(pending.values()), timeout)
+            for worker in self.workers:  # messages first: a worker that reported a failure also exited
+                if worker.conn in pending and worker.conn.poll():
                     try:
-                        status, detail = worker.conn.recv()
-                    except EOFError:
-                        status, detail = _FAILED, None
-                    if status != _READY:
-                        worker.proc.join(1)
-                        raise WorkerStartupError(
-                            f"Worker rank {worker.rank} (pid {worker.proc.pid}) failed during startup:\n"
-                            f"{detail or describe_exitcode(worker.proc.exitcode)}")
-                    pending.remove(worker)
+                        status, detail = _recv(worker.conn)
+                    except EOFError:  # it died without a word
+                        raise startup_error(worker.rank, worker.pid,
+                                            f"{worker.exit_status()} during startup, before it was ready.") from None
+                    if status == FAILED:
+                        phase, remote_traceback = detail
+                        last_line = remote_traceback.strip().splitlines()[-1]
+                        raise startup_error(worker.rank, worker.pid, f"failed in {phase}: {last_line}",
+                                            remote_traceback)
+                    del pending[worker.conn]
                 elif worker.proc.sentinel in ready:
-                    worker.proc.join(1)
-                    raise WorkerStartupError(f"Worker {worker.describe_death()} during startup, before it was ready.")
+                    when = "before" if worker.conn in pending else "after"
+                    raise startup_error(worker.rank, worker.pid,
+                                        f"{worker.exit_status()} during startup, {when} it was ready.")
+
+    def _ready_timeout_error(self, pending: list[WorkerProcHandle], timeout: float) -> WorkerStartupError:
+        stacks = "\n".join(f"--- rank {w.rank} (pid {w.pid}) ---\n{w.proc.dump_stacks() or '(none could be read)'}"
+                           for w in pending)
+        ranks = ", ".join(str(w.rank) for w in pending)
+        were = "was" if len(pending) == 1 else "were"
+        return WorkerStartupError(
+            f"Worker rank {ranks} {were} not ready within {timeout:g} s (ready_timeout_s / "
+            f"ENGINE_REF_READY_TIMEOUT_S) and {were} killed. Raise ready_timeout_s if loading is only slow. "
+            f"Python stacks at the timeout:\n{stacks}"
+        )
 
     def _monitor_workers(self) -> None:
-        """Notice the first worker to die; mark the engine dead and kill the other workers."""
+        """Notice the first worker to die: mark the engine dead and kill the other workers."""
         sentinels = {w.proc.sentinel: w for w in self.workers}
-        dead = multiprocessing.connection.wait(list(sentinels))
-        if self.is_shutdown:
+        ready = multiprocessing.connection.wait([*sentinels, self._wake_r])
+        if self.is_shutdown or self._wake_r in ready:
             return
-        self.dead_reason = f"Worker {sentinels[dead[0]].describe_death()}; the engine is dead."
+        dead = min((sentinels[s] for s in ready if s in sentinels), key=lambda w: w.rank)
+        self._mark_dead(f"Worker {dead.describe_death()}; the engine is dead. Start a new engine.")
+
+    def _mark_dead(self, reason: str) -> None:
+        """Record why the engine died (the first reason wins) and kill every worker."""
+        with self._state_lock:
+            if self.dead_reason is None and not self.is_shutdown:
+                self.dead_reason = reason
+                logger.error("%s", reason)
+        self._kill_workers()
+
+    def _kill_workers(self) -> None:
         for worker in self.workers:
             worker.proc.kill_tree()
 
-    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
-                       kwargs: dict[str, Any] | None = None) -> list[Any]:
-        with self._lock:
-            if self.dead_reason or self.is_shutdown:
-                raise EngineDeadError(self.dead_reason or "the executor has been shut down")
-            for worker in self.workers:
-                worker.conn.send((method, args, kwargs or {}))
-            deadline = None if timeout is None else time.monotonic() + timeout
-            results: list[Any] = []
-            for worker in self.workers:
-                results.append(self._receive(worker, method, deadline))
-            return results
+    def _check_alive(self) -> None:
+        if self.dead_reason:
+            raise EngineDeadError(self.dead_reason)
+        if self.is_shutdown:
+            raise EngineDeadError("The engine has been shut down; start a new engine.")
 
-    def _receive(self, worker: WorkerProcHandle, method: str, deadline: float | None) -> Any:
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready = multiprocessing.connection.wait([worker.conn, worker.proc.sentinel], timeout=remaining)
-        if worker.conn in ready or worker.conn.poll():
-            try:
-                status, value = worker.conn.recv()
-            except EOFError:
-                status = None
-            if status == _OK:
-                return value
-            if status == _ERROR:
-                raise WorkerError(f"{method} failed on rank {worker.rank}:\n{value}")
-        if not ready:
-            raise TimeoutError(f"{method} did not finish on rank {worker.rank} within the timeout")
-        worker.proc.join(1)
-        self.dead_reason = f"Worker {worker.describe_death()} during {method}; the engine is dead."
-        raise EngineDeadError(self.dead_reason)
+    def collective_rpc(self, method: RpcMethod, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call ``method`` (a Worker method name, or ``fn(worker, *args)``) on every rank; results in rank order.
+
+        A rank that raises raises WorkerError here, once the other ranks answered. A rank that dies,
+        or a call that outlives ``timeout`` seconds (TimeoutError), leaves the engine dead: its ranks
+        can no longer be trusted to be in step.
+        """
+        name = method if isinstance(method, str) else getattr(method, "__qualname__", "a function")
+        if not isinstance(method, str):
+            import cloudpickle
+
+            method = cloudpickle.dumps(method)
+        payload = pickle.dumps((method, args, kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._rpc_lock:
+            self._check_alive()
+            for worker in self.workers:
+                try:
+                    worker.conn.send_bytes(payload)
+                except OSError:
+                    self._raise_dead(worker, name)
+            return self._gather(name, timeout)
+
+    def _gather(self, name: str, timeout: float | None) -> list[Any]:
+        results: dict[int, Any] = {}
+        errors: list[WorkerError] = []
+        pending = {w.conn: w for w in self.workers}
+        sentinels = {w.proc.sentinel: w for w in self.workers}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = multiprocessing.connection.wait([*pending, *sentinels], timeout=remaining)
+            for worker in [pending[c] for c in ready if c in pending]:
+                del pending[worker.conn]
+                try:
+                    status, value = _recv(worker.conn)
+                except EOFError:
+                    self._raise_dead(worker, name)
+                if status == OK:
+                    results[worker.rank] = value
+                    continue
+                last_line = value.strip().splitlines()[-1]
+                error = WorkerError(f"{name} failed on rank {worker.rank}: {last_line}\n\n"
+                                    f"Traceback of rank {worker.rank}:\n{value}", worker.rank, value)
+                error.__cause__ = RemoteTraceback(value)
+                errors.append(error)
+                grace = time.monotonic() + self.rpc_error_grace_s  # the others may be waiting for it in a collective
+                deadline = grace if deadline is None else min(deadline, grace)
+            dead = [sentinels[s] for s in ready if s in sentinels]
+            if dead:
+                self._raise_dead(min(dead, key=lambda w: w.rank), name)
+            if not ready:
+                self._timed_out(name, list(pending.values()), timeout, errors)
+        if errors:
+            raise min(errors, key=lambda e: e.rank)
+        return [results[w.rank] for w in self.workers]
+
+    def _timed_out(self, name: str, stuck: list[WorkerProcHandle], timeout: float | None,
+                   errors: list[WorkerError]) -> NoReturn:
+        ranks = ", ".join(str(w.rank) for w in stuck)
+        if errors:
+            self._mark_dead(f"{name} failed on rank {errors[0].rank}, and rank {ranks} did not answer within "
+                            f"{self.rpc_error_grace_s:g} s after it (stuck in a collective with it); the engine is "
+                            f"dead. Start a new engine.")
+            raise errors[0]
+        stacks = "\n".join(f"--- rank {w.rank} (pid {w.pid}) ---\n{w.proc.dump_stacks()}" for w in stuck)
+        self._mark_dead(f"{name} did not finish on rank {ranks} within {timeout:g} s; the engine is dead. "
+                        f"Start a new engine. Python stacks at the timeout:\n{stacks}")
+        raise TimeoutError(self.dead_reason or f"{name} did not finish within {timeout:g} s")
+
+    def _raise_dead(self, worker: WorkerProcHandle, name: str) -> NoReturn:
+        if self.dead_reason is None:  # else the monitor already named the first worker to die
+            self._mark_dead(f"Worker {worker.describe_death()} during {name}; the engine is dead. "
+                            f"Start a new engine.")
+        raise EngineDeadError(self.dead_reason or "The engine has been shut down; start a new engine.")
 
     def shutdown(self) -> None:
-        """Ask each worker to exit, then SIGTERM, then SIGKILL its process group. Idempotent."""
-        with _shutdown_lock:
+        """Ask each worker to exit, then SIGTERM, then SIGKILL its process group; clean up. Idempotent."""
+        with self._state_lock:
             if self.is_shutdown:
                 return
             self.is_shutdown = True
-        for worker in self.workers:
-            try:
-                worker.conn.send(None)
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + SHUTDOWN_GRACE_S
-        for worker in self.workers:
-            worker.proc.join(max(0.0, deadline - time.monotonic()))
-        for worker in self.workers:
-            worker.proc.terminate()
-        for worker in self.workers:
-            worker.proc.join(1.0)
-            worker.proc.close()  # SIGKILLs whatever is left, reaps, closes pipes
-            worker.conn.close()
         _live_executors.discard(self)
+        self._wake_w.send_bytes(b"")
+        if self._monitor is not None:
+            self._monitor.join()
+        # A call still running in another thread owns the pipes: then go straight to SIGTERM.
+        polite = self._rpc_lock.acquire(timeout=self.shutdown_grace_s)
+        try:
+            if polite:
+                for worker in self.workers:
+                    try:
+                        worker.conn.send_bytes(pickle.dumps(None))
+                    except OSError:
+                        pass
+                deadline = time.monotonic() + self.shutdown_grace_s
+                for worker in self.workers:
+                    worker.proc.join(max(0.0, deadline - time.monotonic()))
+            for worker in self.workers:
+                worker.proc.terminate()
+            deadline = time.monotonic() + self.terminate_grace_s
+            for worker in self.workers:
+                worker.proc.join(max(0.0, deadline - time.monotonic()))
+                worker.proc.kill_tree()  # SIGKILL to its group: the worker if it is still there, and stragglers
+                worker.proc.join()
+                self.exit_statuses[worker.rank] = status = describe_exitcode(worker.proc.exitcode)
+                if status != "exited with code 0" and self._ready and self.dead_reason is None:
+                    logger.warning("Worker rank %d (pid %d) did not exit when asked and %s.", worker.rank,
+                                   worker.pid, status)
+                worker.proc.close()
+                worker.conn.close()
+        finally:
+            if polite:
+                self._rpc_lock.release()
+        self._wake_r.close()
+        self._wake_w.close()
+        self._remove_tmp_dir()
+
+    def _remove_tmp_dir(self) -> None:
+        if self._tmp_dir is not None:
+            shutil.rmtree(self._tmp_dir, ignore_errors=True)
+            self._tmp_dir = None
 
 
-_shutdown_lock = threading.Lock()
 _live_executors: weakref.WeakSet[MultiprocExecutor] = weakref.WeakSet()
 
 

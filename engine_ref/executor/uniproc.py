@@ -13,8 +13,12 @@ class UniProcExecutor(Executor):
 
     def _init_executor(self) -> None:
         self.worker = Worker(self.config, rank=0)
-        self.worker.init_device()
-        self.worker.load_model()
+        try:
+            self.worker.init_device()
+            self.worker.load_model()
+        except BaseException:
+            self.worker.shutdown()
+            raise
 
     def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:

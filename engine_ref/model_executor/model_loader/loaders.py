@@ -122,13 +122,20 @@ class DefaultModelLoader(BaseModelLoader):
                 state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except Exception as e:  # noqa: BLE001 - torch raises several types for bad files
                 raise WeightLoadError(
-                    f"{path} could not be loaded with torch.load(weights_only=True): {e}. It is corrupt, or it "
-                    f"pickles objects other than tensors, which engine_ref refuses to unpickle."
+                    f"{path} could not be loaded with torch.load(weights_only=True): {_torch_load_reason(e)}. It is "
+                    f"corrupt, or it pickles objects other than tensors, which engine_ref refuses to unpickle."
                 ) from None
             if not isinstance(state, dict):
                 raise WeightLoadError(f"{path} holds a {type(state).__name__}, not a dict of tensors.")
             for name, tensor in state.items():
                 yield name, CheckpointTensor.from_tensor(name, tensor, path.name, self.stats)
+
+
+def _torch_load_reason(error: Exception) -> str:
+    """The one line of torch.load's error that says why (its weights_only message spans many lines)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    reason = next((line for line in lines if line.startswith("WeightsUnpickler error:")), None)
+    return reason or (lines[0] if lines else type(error).__name__)
 
 
 def _files_from_index(index: Path) -> list[Path]:

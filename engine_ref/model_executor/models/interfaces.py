@@ -7,7 +7,18 @@ registry reads while inspecting the class in a subprocess. This module imports n
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any, ClassVar
+
+# Full-size published config.json files; a model class names one in ``reference_config`` so memory
+# checks can predict the real model's fit (``engine-ref estimate``, ``--enginecheck-device-memory``).
+REFERENCE_CONFIGS_DIR = Path(__file__).parent / "configs"
+
+
+def reference_config_path(model_cls: type) -> Path | None:
+    """The full-size config.json a model class declares (a file name in REFERENCE_CONFIGS_DIR, or a path)."""
+    name = getattr(model_cls, "reference_config", None)
+    return None if name is None else REFERENCE_CONFIGS_DIR / name
 
 
 class SupportsMultiModal:

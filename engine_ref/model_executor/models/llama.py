@@ -141,6 +141,7 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA):
     """Llama with its LM head; the contract every engine_ref text model follows."""
 
     decoder_layer_cls: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
+    reference_config: ClassVar[str] = "Meta-Llama-3-8B.json"
     example_config: ClassVar[dict] = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float32",
         "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

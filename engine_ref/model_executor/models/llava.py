@@ -40,6 +40,7 @@ class LlavaMultiModalProjector(nn.Module):
 class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
     """Equal to transformers' LlavaForConditionalGeneration (one feature layer, 'default' or 'full')."""
 
+    reference_config: ClassVar[str] = "llava-1.5-7b-hf.json"
     example_config: ClassVar[dict] = {
         "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "torch_dtype": "float32",
         "image_token_index": 255, "projector_hidden_act": "gelu", "vision_feature_layer": -2,

@@ -25,6 +25,7 @@ class MixtralForCausalLM(LlamaForCausalLM, MixtureOfExperts):
     """Equal to transformers' MixtralForCausalLM."""
 
     decoder_layer_cls = MixtralDecoderLayer
+    reference_config: ClassVar[str] = "Mixtral-8x7B-v0.1.json"
     example_config: ClassVar[dict] = {
         "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "torch_dtype": "float32",
         "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,

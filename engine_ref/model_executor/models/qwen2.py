@@ -16,6 +16,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """Equal to transformers' Qwen2ForCausalLM."""
 
     decoder_layer_cls = Qwen2DecoderLayer
+    reference_config: ClassVar[str] = "Qwen2-7B.json"
     example_config: ClassVar[dict] = {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "torch_dtype": "float32",
         "vocab_size": 256, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,

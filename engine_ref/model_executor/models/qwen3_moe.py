@@ -37,6 +37,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM, MixtureOfExperts):
     """Equal to transformers' Qwen3MoeForCausalLM."""
 
     decoder_layer_cls = Qwen3MoeDecoderLayer
+    reference_config: ClassVar[str] = "Qwen3-30B-A3B.json"
     example_config: ClassVar[dict] = {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "torch_dtype": "float32",
         "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import importlib.util
+import importlib.machinery
 import json
 import logging
 import os
+import sys
 import tempfile
 import threading
+import traceback
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -76,10 +78,10 @@ class RegisteredModel:
             ) from None
 
     def source_hash(self) -> str | None:
-        """sha256 of the module's source file, found without importing the module itself."""
+        """sha256 of the module's source file, found without importing the module or its packages."""
         try:
-            spec = importlib.util.find_spec(self.module_name)
-        except (ImportError, ValueError):
+            spec = _find_spec_without_import(self.module_name)
+        except Exception:  # noqa: BLE001 - a finder's own failure: no hash, the child will report it
             return None
         if spec is None or not spec.origin or not os.path.isfile(spec.origin):
             return None
@@ -88,9 +90,44 @@ class RegisteredModel:
         return digest.hexdigest()
 
 
-def _inspect_in_subprocess(architecture: str, entry: RegisteredModel) -> ModelInfo:
-    """Runs in the child: import the model class and derive its ModelInfo."""
-    return ModelInfo.from_model_cls(architecture, entry.load_model_cls())
+def _find_spec_without_import(module_name: str) -> importlib.machinery.ModuleSpec | None:
+    """Locate a module as the import system would, without executing it or its parent packages.
+
+    ``importlib.util.find_spec("pkg.models.x")`` imports ``pkg`` and ``pkg.models``: a plugin
+    package's ``__init__`` would then run in the process that asked for an inspection.
+    """
+    path = None
+    spec = None
+    parts = module_name.split(".")
+    for i in range(1, len(parts) + 1):
+        name = ".".join(parts[:i])
+        module = sys.modules.get(name)
+        spec = getattr(module, "__spec__", None)
+        if spec is None:
+            for finder in sys.meta_path:
+                find_spec = getattr(finder, "find_spec", None)
+                spec = find_spec(name, path) if find_spec is not None else None
+                if spec is not None:
+                    break
+            else:
+                return None
+        path = getattr(module, "__path__", None) or spec.submodule_search_locations
+        if path is None and i < len(parts):
+            return None  # a parent that is not a package
+    return spec
+
+
+def _inspect_in_subprocess(architecture: str, entry: RegisteredModel) -> ModelInfo | str:
+    """Runs in the child: import the model class and derive its ModelInfo.
+
+    A failure comes back as its traceback text, not as the exception: the model's own exception
+    class may not unpickle in the parent (or would import the model's modules there), and a
+    SystemExit raised by a model module must not end the parent.
+    """
+    try:
+        return ModelInfo.from_model_cls(architecture, entry.load_model_cls())
+    except BaseException:  # noqa: BLE001 - this child exists to report it
+        return traceback.format_exc()
 
 
 class _ModelRegistry:
@@ -163,10 +200,14 @@ class _ModelRegistry:
     def _inspect_with_subprocess(self, architecture: str, entry: RegisteredModel, timeout: float) -> ModelInfo:
         from engine_ref.isolation import IsolatedProcessError, RemoteTraceback, run_isolated
 
-        self.subprocess_inspections += 1
+        with self._lock:
+            self.subprocess_inspections += 1
         try:
-            return run_isolated(_inspect_in_subprocess, architecture, entry, timeout=timeout,
-                                name=f"inspect {architecture}")
+            result = run_isolated(_inspect_in_subprocess, architecture, entry, timeout=timeout,
+                                  name=f"inspect {architecture}")
+            if isinstance(result, ModelInfo):
+                return result
+            detail = result
         except IsolatedProcessError as e:
             detail = str(e)
         except Exception as e:  # noqa: BLE001 - the child's own error, carried verbatim

@@ -1,0 +1,296 @@
+"""The engine's startup, every rank in this process, on fake tensors: what ``estimate_memory`` runs.
+
+Each rank is the engine's own Worker, driven through the calls the executor makes, under
+``fake_tensors()`` (shapes without storage) and a simulated tensor-parallel group:
+
+    Worker(config, rank)                       as the executor makes it
+    worker.load_model()                        load_format 'dummy': initialize_model, module_bytes
+    worker.determine_available_memory()        the profile run under ActivationTracker
+    worker.get_kv_cache_spec()                 per-layer KV pages
+then EngineCore's sizing: the smallest available memory over ranks -> get_num_blocks -> can one
+request of max_model_len be served. Only ``init_device`` is skipped (it would join a process
+group); FakeRank gives the worker its device capacity, as init_device does on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from engine_ref.config import EngineConfig, valid_tensor_parallel_sizes
+from engine_ref.distributed.parallel_state import tensor_parallel_state
+from engine_ref.errors import ConfigError, EngineRefError, MissingConfigField
+from engine_ref.kv_cache.spec import FullAttentionSpec, bytes_per_block, get_num_blocks
+from engine_ref.memory.accounting import MemoryUsage, module_bytes
+from engine_ref.memory.estimate import MemoryEstimate
+from engine_ref.memory.fake import fake_tensors
+from engine_ref.model_executor.model_loader.loaders import initialize_model
+from engine_ref.utils import cdiv, format_bytes
+from engine_ref.worker.worker import Worker
+
+#: The search for the largest max_model_len that fits re-runs the profile at each length it tries.
+#: It tries no length that cuts the profile batch into more than this many sequences (a fake run's
+#: time grows with the number of sequences, not with their length), and at most MAX_SEARCH_STEPS.
+MAX_SEARCH_SEQUENCES = 64
+MAX_SEARCH_STEPS = 24
+
+
+@contextmanager
+def building(config: EngineConfig, label: str, rank: int = 0, world_size: int | None = None) -> Iterator[None]:
+    """Turn a model constructor's failure on the config's sizes (one tensor parallelism cannot split,
+    a negative one) into a ConfigError naming those sizes and the fix."""
+    tp = world_size or config.parallel_config.tensor_parallel_size
+    try:
+        yield
+    except MissingConfigField as e:  # raised by the model's constructor: say which config.json
+        raise MissingConfigField(f"{config.model_config.architecture} from {label}: {e}") from None
+    except EngineRefError:
+        raise
+    except (ValueError, RuntimeError, TypeError) as e:
+        model = config.model_config
+        sections = (("", model.hf_text_config), ("vision_config.", model.hf_config.get("vision_config") or {}))
+        sizes = {f"{prefix}{name}": value for prefix, section in sections for name, value in section.items()
+                 if name.endswith("_size") and isinstance(value, int) and not isinstance(value, bool)}
+        negative = [f"{name}={value}" for name, value in sizes.items() if value <= 0]
+        uneven = [f"{name}={value}" for name, value in sizes.items()
+                  if value > 0 and value % tp and name != "vocab_size"]  # the vocabulary is padded to a multiple
+        valid = valid_tensor_parallel_sizes(model.num_attention_heads, model.num_key_value_heads)
+        if negative:
+            fix = f"config.json has sizes that must be positive: {', '.join(negative)}"
+        elif uneven:
+            fix = (f"config.json has sizes that tensor_parallel_size={tp} does not divide: {', '.join(uneven)}; "
+                   f"choose a tensor_parallel_size that divides them (the attention heads allow {valid})")
+        else:
+            fix = "check config.json's sizes"
+        raise ConfigError(
+            f"{model.architecture} from {label} cannot be built for rank {rank} of tensor_parallel_size={tp} "
+            f"({e}): {fix}."
+        ) from None
+
+
+class FakeRank:
+    """One rank's Worker, with its model built on fake tensors under a simulated TP group."""
+
+    def __init__(self, config: EngineConfig, rank: int, label: str, capacity: int) -> None:
+        self.rank = rank
+        self.worker = Worker(config, rank)
+        self.worker.memory = MemoryUsage(capacity=capacity)  # init_device's part
+        with self._tp_group(), building(config, label, rank):
+            self.worker.load_model()
+        if self.worker.model is None:
+            raise RuntimeError("Worker.load_model() left no model")
+        self.model: torch.nn.Module = self.worker.model
+        self.specs: dict[str, FullAttentionSpec] = self.worker.get_kv_cache_spec()
+
+    @contextmanager
+    def _tp_group(self) -> Iterator[None]:
+        with tensor_parallel_state(self.rank, self.worker.world_size):
+            yield
+
+    def available_memory(self) -> int:
+        """The worker's determine_available_memory: the profile run, then the budget arithmetic."""
+        with self._tp_group():
+            return self.worker.determine_available_memory()
+
+    @property
+    def signature(self) -> tuple:
+        """What the profile run's memory depends on: every parameter's and buffer's name, shape, dtype."""
+        return tuple((name, tuple(t.shape), t.stride(), t.dtype)
+                     for name, t in [*self.model.named_parameters(), *self.model.named_buffers()])
+
+    @property
+    def weights(self) -> int:
+        return self.worker.memory.weights
+
+    @property
+    def activation_peak(self) -> int:
+        return self.worker.memory.activation_peak
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return bytes_per_block(self.specs) // self.worker.config.cache_config.block_size
+
+
+class FakeEngine:
+    """Every rank of one engine configuration, and EngineCore's KV cache sizing over them."""
+
+    def __init__(self, config: EngineConfig, label: str, max_num_batched_tokens: int | None) -> None:
+        capacity, requested = config.device_config.capacity_bytes, config.model_config.max_model_len
+        if capacity is None or requested is None:
+            raise ValueError("FakeEngine needs a validated EngineConfig: device capacity and max_model_len set")
+        self.config, self.label = config, label
+        self.capacity, self.requested = capacity, requested
+        self.fixed_batch_tokens = max_num_batched_tokens  # None: the engine's default, which follows max_model_len
+
+    @property
+    def budget(self) -> int:
+        """What a rank may use: capacity * gpu_memory_utilization, as Worker.determine_available_memory."""
+        return int(self.capacity * self.config.cache_config.gpu_memory_utilization)
+
+    def estimate(self) -> MemoryEstimate:
+        """Build every rank, run its profile, size the KV cache; search a max_model_len if it does not fit."""
+        config = self.config
+        model, cache, requested = config.model_config, config.cache_config, self.requested
+        num_parameters, weight_bytes = self.whole_model()
+        with fake_tensors():
+            ranks = [FakeRank(config, rank, self.label, self.capacity)
+                     for rank in range(config.parallel_config.tensor_parallel_size)]
+            available = self.available_memory(ranks)
+            weights = [rank.weights for rank in ranks]
+            peaks = [rank.activation_peak for rank in ranks]
+            num_blocks = get_num_blocks(ranks[0].specs, min(available))  # EngineCore: the smallest rank decides
+            overflow, reason = self.verdict(ranks, available, num_blocks)
+            largest = requested if overflow is None else self.largest_fitting_len(ranks, available)
+            self.set_max_model_len(requested)
+        return MemoryEstimate(
+            architecture=model.architecture,
+            num_parameters=num_parameters,
+            dtype=model.dtype,
+            tensor_parallel_size=len(ranks),
+            weight_bytes=weight_bytes,
+            weight_bytes_per_rank=weights,
+            activation_peak_bytes_per_rank=peaks,
+            kv_cache_bytes_per_token_per_rank=[rank.kv_bytes_per_token for rank in ranks],
+            block_size=cache.block_size,
+            num_gpu_blocks=num_blocks,
+            max_concurrency=num_blocks * cache.block_size / requested,
+            fits=overflow is None,
+            reason=reason,
+            max_model_len_estimate=largest,
+            max_model_len=requested,
+            max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens or requested,
+            device_memory_bytes=self.capacity,
+            gpu_memory_utilization=cache.gpu_memory_utilization,
+            overflow=overflow,
+            all_reduce_bytes=self.all_reduce_bytes(len(ranks)),
+        )
+
+    def all_reduce_bytes(self, tensor_parallel_size: int) -> int:
+        """Bytes of one activation the ranks all-reduce (a hidden state of the profile batch); 0 at TP=1."""
+        if tensor_parallel_size == 1:
+            return 0
+        model = self.config.model_config
+        tokens = self.config.scheduler_config.max_num_batched_tokens or self.requested
+        return tokens * model.hf_text_config.hidden_size * model.torch_dtype.itemsize
+
+    def whole_model(self) -> tuple[int, int]:
+        """(parameters, weight bytes) of the unsharded model (TP=1, on the meta device; shared tensors once)."""
+        with tensor_parallel_state(0, 1), building(self.config, self.label, world_size=1):
+            whole = initialize_model(self.config, torch.device("meta"))
+        return sum(p.numel() for p in whole.parameters()), module_bytes(whole)
+
+    def available_memory(self, ranks: list[FakeRank]) -> list[int]:
+        """Each rank's memory left for the KV cache; one profile run per distinct shard shape.
+
+        Ranks whose parameters and buffers have the same names, shapes and dtypes run the same
+        operators on the same shapes (the rank only changes which rows they hold), so the profile
+        run of the first stands for the others.
+        """
+        first: dict[tuple, FakeRank] = {}
+        available = []
+        for rank in ranks:
+            twin = first.setdefault(rank.signature, rank)
+            if twin is rank:
+                available.append(rank.available_memory())
+            else:
+                rank.worker.memory.activation_peak = twin.activation_peak
+                available.append(available[twin.rank])
+        return available
+
+    def verdict(self, ranks: list[FakeRank], available: list[int], num_blocks: int) -> tuple[str | None, str | None]:
+        """(the category that does not fit, why), or (None, None) when a max_model_len request fits."""
+        cache, max_len = self.config.cache_config, self.requested
+        share = (f"{cache.gpu_memory_utilization} x {format_bytes(self.capacity)} = "
+                 f"{format_bytes(self.budget)}")
+        heaviest = max(ranks, key=lambda r: r.weights)
+        if heaviest.weights > self.budget:
+            return "weights", (
+                f"the weights of rank {heaviest.rank} ({format_bytes(heaviest.weights)}) exceed its budget of "
+                f"{share}; raise tensor_parallel_size, the device memory or gpu_memory_utilization."
+            )
+        rank = ranks[available.index(min(available))]
+        if available[rank.rank] <= 0:
+            return "activation_peak", (
+                f"the weights of rank {rank.rank} ({format_bytes(rank.weights)}) and the activation peak of its "
+                f"profile run of {self.config.scheduler_config.max_num_batched_tokens} tokens "
+                f"({format_bytes(rank.activation_peak)}) exceed its budget of {share}, leaving nothing for the KV "
+                f"cache; lower max_num_batched_tokens or max_model_len, or raise tensor_parallel_size, the device "
+                f"memory or gpu_memory_utilization."
+            )
+        if num_blocks * cache.block_size < max_len:
+            needed = cdiv(max_len, cache.block_size) * bytes_per_block(rank.specs)
+            return "kv_cache", (
+                f"one request of max_model_len {max_len} needs {format_bytes(needed)} of KV cache on rank "
+                f"{rank.rank}, but only {format_bytes(available[rank.rank])} is left after weights "
+                f"({format_bytes(rank.weights)}) and the activation peak ({format_bytes(rank.activation_peak)}): "
+                f"{num_blocks} blocks of {cache.block_size} tokens; lower max_model_len, or raise "
+                f"tensor_parallel_size, the device memory or gpu_memory_utilization."
+            )
+        return None, None
+
+    # -- the largest max_model_len that fits ------------------------------------------------------
+
+    def set_max_model_len(self, max_len: int) -> None:
+        """Point the (estimate-private) config at another max_model_len, with the engine's batch default."""
+        self.config.model_config.max_model_len = max_len
+        if self.fixed_batch_tokens is None:
+            self.config.scheduler_config.max_num_batched_tokens = max(max_len, 2048)
+
+    def slack(self, ranks: list[FakeRank], available: list[int], max_len: int) -> int:
+        """Tokens of KV cache to spare beyond one request of ``max_len`` (negative: it does not fit).
+
+        ``num_blocks * block_size - max_len`` with the engine's num_blocks, extended below zero
+        blocks when no memory is left, so that it keeps falling as max_len grows.
+        """
+        return min(available) // bytes_per_block(ranks[0].specs) * self.config.cache_config.block_size - max_len
+
+    def slack_at(self, ranks: list[FakeRank], max_len: int) -> int:
+        """``slack`` at another max_model_len: the engine's profile run is re-run at that length."""
+        self.set_max_model_len(max_len)
+        return self.slack(ranks, self.available_memory(ranks), max_len)
+
+    def largest_fitting_len(self, ranks: list[FakeRank], available: list[int]) -> int:
+        """The largest max_model_len below the requested one that fits; always a length tried (0: none).
+
+        The activation peak grows with max_model_len (the profile batch follows it), so the slack
+        ``s(L) = n(L) * block_size - L`` falls as L grows, and L fits when ``s(L) >= 0``. The search
+        keeps the longest length known to fit (lo) and the shortest known not to (hi) and tries
+        where the secant of ``s`` through the last lengths tried on either side crosses zero
+        (halving when one side repeats); after a length that fits, ``n(lo) * block_size`` also
+        bounds the answer. A few profile runs. Lengths below ``search_floor()`` are not tried.
+        """
+        if max(rank.weights for rank in ranks) > self.budget:
+            return 0
+        lo, hi, floor = 0, self.requested, self.search_floor()
+        above = (hi, self.slack(ranks, available, hi))  # the last length tried that does not fit, its slack
+        below: tuple[int, int] | None = None  # the last length tried that fits, its slack
+        last_fit, same_side = None, 0
+        for _ in range(MAX_SEARCH_STEPS):
+            if hi - lo <= 1:
+                break
+            if below is None:
+                guess = above[0] + above[1]  # n(L) * block_size: what the engine suggests, fits when n > 0
+            else:
+                (x0, s0), (x1, s1) = below, above
+                guess = x0 + s0 * (x1 - x0) // (s0 - s1)  # where the secant of s crosses zero
+            if same_side >= 2 or not lo < guess < hi:
+                guess = (lo + hi) // 2
+            candidate = max(guess, floor, lo + 1)
+            if candidate >= hi:
+                break
+            slack = self.slack_at(ranks, candidate)
+            fits = slack >= 0
+            same_side = same_side + 1 if fits == last_fit else 1
+            last_fit = fits
+            if fits:
+                lo, below = candidate, (candidate, slack)
+                hi = min(hi, candidate + slack + 1)  # nothing longer than n(lo) * block_size fits
+            else:
+                hi, above = candidate, (candidate, slack)
+        return lo
+
+    def search_floor(self) -> int:
+        """The shortest max_model_len searched: its profile batch has at most MAX_SEARCH_SEQUENCES sequences."""
+        return cdiv(self.fixed_batch_tokens or 2048, MAX_SEARCH_SEQUENCES)

@@ -1,0 +1,247 @@
+"""The CUDA guard: catch every way torch could initialize CUDA, and say where it happened.
+
+Every CUDA-initializing path in torch (factories with ``device="cuda"``, ``.cuda()``, ``.to("cuda")``,
+``get_device_properties``, ``current_device``, ``mem_get_info``...) calls the Python function
+``torch.cuda._lazy_init``, looked up at call time, so replacing it intercepts them all. Submodules
+that hold their own reference get the replacement too. On a CPU-only build some calls fail before
+reaching it (``set_device``, ``Stream``, ``Event``, ``device()``, RNG state, peak statistics,
+``pin_memory``): those are wrapped as well, so a CPU CI machine reports exactly what a GPU host
+would have initialized. In strict mode, ``is_available()`` and ``device_count()`` are reported too:
+without ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` they run cuInit on GPU hosts, which breaks later forks.
+
+Each access is recorded (even if the caller swallows the exception) with the API, the file and line
+in the caller's code, and the chain of modules being imported at that moment.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from types import FrameType
+from typing import Any
+
+# Functions of torch.cuda that, on a CUDA build, initialize CUDA but on a CPU build fail before
+# reaching _lazy_init; wrapped so both builds report them the same way.
+_EARLY_FAILING_FUNCTIONS = (
+    "set_device", "stream", "get_rng_state", "get_rng_state_all", "set_rng_state", "set_rng_state_all",
+    "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_accumulated_memory_stats", "ipc_collect",
+)
+_EARLY_FAILING_CLASSES = ("Stream", "Event", "ExternalStream", "device")
+_QUERY_FUNCTIONS = ("is_available", "device_count")
+FIX_HINTS = {
+    "init": "Move the call into code that runs when the model is built or run (a function, cached with "
+            "functools.cache if it is expensive), or guard it with `if torch.cuda.is_available():`.",
+    "query": "Ask inside code that runs when the model is built (a function, cached with functools.cache), "
+             "or run with PYTORCH_NVML_BASED_CUDA_CHECK=1 so the query uses NVML instead of cuInit.",
+    "driver": "Load the CUDA driver only inside code that runs on the GPU worker, never at import time.",
+}
+
+
+@dataclass
+class CudaAccess:
+    """One place where code would have initialized CUDA (or, in strict mode, queried it)."""
+
+    api: str
+    kind: str  # "init": initializes CUDA; "query": cuInit on GPU hosts; "driver": libcuda was loaded
+    file: str | None = None
+    line: int | None = None
+    code: str | None = None
+    chain: list[str] = field(default_factory=list)
+
+    @property
+    def fix_hint(self) -> str:
+        return FIX_HINTS[self.kind]
+
+    def describe(self) -> str:
+        where = f" at {self.file}:{self.line}" if self.file else ""
+        code = f" (`{self.code}`)" if self.code else ""
+        chain = f"\nImport chain: {' -> '.join(self.chain)}." if self.chain else ""
+        if self.kind == "query":
+            what = (f"called {self.api}(){where}{code}, which runs cuInit on a GPU host (unless "
+                    f"PYTORCH_NVML_BASED_CUDA_CHECK=1) and makes later forked workers fail.")
+        elif self.kind == "driver":
+            what = (f"loaded the CUDA driver library (libcuda) without going through torch: something "
+                    f"called cuInit directly (ctypes, cuda-python, pynvml's CUDA calls...).")
+        else:
+            what = f"initialized CUDA: {self.api}{where}{code}."
+        return f"{what}{chain}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class CudaAccessError(RuntimeError):
+    """Raised where guarded code touches CUDA."""
+
+    def __init__(self, access: CudaAccess) -> None:
+        super().__init__(f"CUDA touched while the enginecheck CUDA guard is on: {access.describe()}")
+        self.access = access
+
+
+def _torch_dir() -> str:
+    import torch
+
+    return os.path.dirname(torch.__file__) + os.sep
+
+
+def _is_internal(filename: str, torch_dir: str) -> bool:
+    return (filename.startswith(torch_dir) or filename == __file__ or filename.startswith("<frozen")
+            or filename.startswith(os.path.dirname(os.__file__) + os.sep + "importlib"))
+
+
+def _guess_api(code: str | None) -> str:
+    """The call on a line of user code that reached CUDA from C++ (e.g. ``torch.zeros(..., device="cuda")``)."""
+    if code:
+        for pattern, name in ((r"\.cuda\(", "Tensor.cuda"), (r"\.to\(", "Tensor.to"),
+                              (r"\b(torch(?:\.\w+)+)\s*\(", None)):
+            match = re.search(pattern, code)
+            if match:
+                return name or match.group(1)
+    return "a CUDA tensor operation"
+
+
+def locate(api: str | None, kind: str, frame: FrameType | None) -> CudaAccess:
+    """Describe the access seen from ``frame`` (the guard's caller): user file and line, import chain."""
+    torch_dir = _torch_dir()
+    frames: list[FrameType] = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    user_index = next((i for i, f in enumerate(frames) if not _is_internal(f.f_code.co_filename, torch_dir)), None)
+    access = CudaAccess(api=api or "", kind=kind)
+    if user_index is not None:
+        user = frames[user_index]
+        access.file, access.line = user.f_code.co_filename, user.f_lineno
+        access.code = _source_line(access.file, access.line)
+        if not api:
+            inner = frames[user_index - 1] if user_index > 0 else None
+            if inner is not None and inner.f_code.co_filename.startswith(torch_dir) and \
+                    inner.f_code.co_name != "_lazy_init":
+                access.api = _public_name(inner)
+            else:
+                access.api = _guess_api(access.code)
+    module_frames = [f for f in reversed(frames) if f.f_code.co_name == "<module>"
+                     and not _is_internal(f.f_code.co_filename, torch_dir)]
+    # Only modules being imported (their namespace is the one in sys.modules): not __main__, nor code
+    # exec'd as a module elsewhere (xdist workers run inside execnet's "__channelexec__").
+    access.chain = [name for f in module_frames if (name := str(f.f_globals.get("__name__"))) != "__main__"
+                    and getattr(sys.modules.get(name), "__dict__", None) is f.f_globals]
+    return access
+
+
+def _public_name(frame: FrameType) -> str:
+    """The name user code calls a torch function by: ``torch.cuda.mem_get_info``, not the
+    ``torch.cuda.memory.mem_get_info`` it is defined as, when torch.cuda re-exports it."""
+    name, module = frame.f_code.co_name, str(frame.f_globals.get("__name__", "torch"))
+    exported = getattr(sys.modules.get("torch.cuda"), name, None)
+    if module.startswith("torch.cuda.") and getattr(exported, "__code__", None) is frame.f_code:
+        module = "torch.cuda"
+    return f"{module}.{name}"
+
+
+def _source_line(filename: str, lineno: int) -> str | None:
+    import linecache
+
+    return linecache.getline(filename, lineno).strip() or None
+
+
+def libcuda_loaded() -> bool:
+    """Whether the CUDA driver library is mapped into this process (Linux; False elsewhere)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("libcuda.so" in line for line in maps)
+    except OSError:
+        return False
+
+
+class CudaGuard:
+    """While active, any CUDA initialization raises CudaAccessError and is recorded in ``accesses``.
+
+    ``strict=True`` also records (without raising) calls of ``torch.cuda.is_available()`` and
+    ``device_count()``. Use as a context manager; it restores torch exactly on exit.
+    """
+
+    def __init__(self, strict: bool = False) -> None:
+        self.strict = strict
+        self.accesses: list[CudaAccess] = []
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    @property
+    def first_access(self) -> CudaAccess | None:
+        return self.accesses[0] if self.accesses else None
+
+    def _record(self, api: str | None, kind: str, frame: FrameType | None) -> CudaAccess:
+        access = locate(api, kind, frame)
+        self.accesses.append(access)
+        return access
+
+    def _blocked(self, api: str | None) -> Any:
+        guard = self
+
+        def blocked(*args: Any, **kwargs: Any) -> Any:
+            raise CudaAccessError(guard._record(api, "init", sys._getframe(1)))
+
+        return blocked
+
+    def _queried(self, name: str, original: Any) -> Any:
+        guard = self
+
+        def queried(*args: Any, **kwargs: Any) -> Any:
+            guard._record(f"torch.cuda.{name}", "query", sys._getframe(1))
+            return original(*args, **kwargs)
+
+        return queried
+
+    def _blocked_class(self, name: str, original: type) -> type:
+        guard = self
+        api = f"torch.cuda.{name}"
+
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise CudaAccessError(guard._record(api, "init", sys._getframe(1)))
+
+        if name == "device":  # constructing it is harmless; entering it selects a device
+            return type(name, (original,), {"__enter__": refuse, "__module__": original.__module__})
+        return type(name, (original,), {"__new__": refuse, "__module__": original.__module__})
+
+    def _set(self, owner: Any, name: str, value: Any) -> None:
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def _replace_everywhere(self, original: Any, replacement: Any, name: str) -> None:
+        """Replace ``original`` in every loaded torch module that holds it under ``name``.
+
+        Reads each module's ``__dict__``, not getattr: torch.ops and torch.classes create (and keep)
+        a namespace for any attribute asked of them, and module ``__getattr__``s import lazily.
+        """
+        for module_name, module in list(sys.modules.items()):
+            if module_name.startswith("torch") and module is not None and \
+                    getattr(module, "__dict__", {}).get(name) is original:
+                self._set(module, name, replacement)
+
+    def __enter__(self) -> CudaGuard:
+        import torch
+        import torch.cuda
+
+        cuda = torch.cuda
+        self._replace_everywhere(cuda._lazy_init, self._blocked(None), "_lazy_init")
+        for name in _EARLY_FAILING_FUNCTIONS:
+            original = getattr(cuda, name, None)
+            if original is not None:
+                self._replace_everywhere(original, self._blocked(f"torch.cuda.{name}"), name)
+        for name in _EARLY_FAILING_CLASSES:
+            original = getattr(cuda, name, None)
+            if isinstance(original, type):
+                self._replace_everywhere(original, self._blocked_class(name, original), name)
+        self._set(torch.Tensor, "pin_memory", self._blocked("torch.Tensor.pin_memory"))
+        if self.strict:
+            for name in _QUERY_FUNCTIONS:
+                original = getattr(cuda, name)
+                self._replace_everywhere(original, self._queried(name, original), name)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        while self._saved:
+            owner, name, value = self._saved.pop()
+            setattr(owner, name, value)

@@ -1,0 +1,112 @@
+"""What a process owns that an engine could leave behind: child processes, open file descriptors,
+listening sockets, temp-dir entries, shared-memory segments. Read from /proc (Linux), no psutil."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+
+
+def _children(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (zombies excluded)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z":
+            parents[int(entry)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _fds() -> dict[int, str]:
+    fds = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return fds
+
+
+def _listening_inodes() -> set[str]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    if parts[3] == "0A":  # LISTEN
+                        inodes.add(parts[9])
+        except OSError:
+            pass
+    return inodes
+
+
+def _listdir(path: str) -> set[str]:
+    try:
+        return set(os.listdir(path))
+    except OSError:
+        return set()
+
+
+@dataclass(frozen=True)
+class ResourceSnapshot:
+    """What this process owns at one moment."""
+
+    children: frozenset[int]
+    fds: dict[int, str]
+    listening: frozenset[str]  # socket inodes of this process in LISTEN state
+    temp_entries: frozenset[str]
+    shm_entries: frozenset[str]
+
+    @classmethod
+    def take(cls) -> ResourceSnapshot:
+        fds = _fds()
+        own_sockets = {target[8:-1] for target in fds.values() if target.startswith("socket:[")}
+        return cls(frozenset(_children(os.getpid())), fds, frozenset(own_sockets & _listening_inodes()),
+                   frozenset(_listdir(tempfile.gettempdir())), frozenset(_listdir("/dev/shm")))
+
+    def leaked_since(self, before: ResourceSnapshot, ignore_regular_files: bool = False) -> list[str]:
+        """Plain descriptions of what exists now but did not before.
+
+        ``ignore_regular_files`` counts only pipes, sockets and anonymous inodes among new file
+        descriptors (a test may legitimately keep its own files open).
+        """
+        leaks = []
+        if self.children - before.children:
+            leaks.append(f"child processes {sorted(self.children - before.children)}")
+        new_fds = {fd: target for fd, target in self.fds.items() if before.fds.get(fd) != target
+                   and not (ignore_regular_files and target.startswith("/"))}
+        if new_fds:
+            leaks.append(f"open file descriptors {new_fds}")
+        if self.listening - before.listening:
+            leaks.append(f"listening sockets (inodes {sorted(self.listening - before.listening)})")
+        if self.temp_entries - before.temp_entries:
+            leaks.append(f"temp entries {sorted(self.temp_entries - before.temp_entries)} in {tempfile.gettempdir()}")
+        if self.shm_entries - before.shm_entries:
+            leaks.append(f"shared-memory segments {sorted(self.shm_entries - before.shm_entries)} in /dev/shm")
+        return leaks
+
+
+def wait_for_no_leaks(before: ResourceSnapshot, timeout_s: float = 3.0, ignore_regular_files: bool = False
+                      ) -> list[str]:
+    """Leaks still present after giving exiting children ``timeout_s`` to be reaped."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        leaks = ResourceSnapshot.take().leaked_since(before, ignore_regular_files)
+        if not leaks or time.monotonic() > deadline:
+            return leaks
+        time.sleep(0.05)

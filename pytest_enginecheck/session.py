@@ -1,0 +1,116 @@
+"""EngineCheckSession: the plugin object ``--enginecheck`` registers (pytest-memray style).
+
+It describes the target (in a child process), generates the items at collection, gathers each
+item's result from its report (so it works under pytest-xdist, where items run in workers), and
+closes the run with the summary table and the JSON report.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from typing import Any
+
+import pytest
+
+from pytest_enginecheck.checks import CheckContext
+from pytest_enginecheck.items import RESULT_PROPERTY, EngineCheckCollector
+from pytest_enginecheck.checks import CHECKS
+from pytest_enginecheck.options import Settings
+from pytest_enginecheck.report import summary_table, write_json
+from pytest_enginecheck.targets import ArchEntry, TargetDescription
+
+DESCRIBE_TIMEOUT_S = 300.0
+# What every check child imports: preloaded once in the warm parent instead of once per check.
+CHILD_MODULES = ("pytest_enginecheck.checks.runner", "pytest_enginecheck.checks.import_check",
+                 "pytest_enginecheck.checks.inspect_check", "pytest_enginecheck.targets", "pytest_enginecheck.leaks")
+
+
+class EngineCheckSession:
+    """Generates the check items of one pytest run and reports their results."""
+
+    def __init__(self, config: pytest.Config, settings: Settings) -> None:
+        from engine_ref.isolation import add_preload_modules
+
+        from pytest_enginecheck.targets import TARGET_PRELOAD
+
+        add_preload_modules(*CHILD_MODULES, *TARGET_PRELOAD.get(settings.target, ()))
+        self.config = config
+        self.settings = settings
+        self.results: list[dict[str, Any]] = []
+        self._description: TargetDescription | None = None
+        self._workdir: str | None = None
+
+    @property
+    def is_xdist_worker(self) -> bool:
+        return hasattr(self.config, "workerinput")
+
+    @property
+    def description(self) -> TargetDescription:
+        """The target's architectures, resolved in a child process (the pytest process stays light)."""
+        if self._description is None:
+            from engine_ref.isolation import run_isolated
+            from pytest_enginecheck.targets import TargetError, describe
+
+            try:
+                self._description = run_isolated(describe, self.settings.target, timeout=DESCRIBE_TIMEOUT_S,
+                                                  name="enginecheck describe target")
+            except TargetError as e:
+                raise pytest.UsageError(str(e)) from None
+            except Exception as e:  # noqa: BLE001 - the target's own failure, told plainly
+                raise pytest.UsageError(
+                    f"--enginecheck-target={self.settings.target!r} could not be loaded: {type(e).__name__}: {e}"
+                ) from None
+        return self._description
+
+    @property
+    def checks(self) -> tuple[str, ...]:
+        applicable = self.description.checks
+        if self.settings.checks is None:
+            return tuple(c for c in CHECKS if c in applicable)
+        refused = [c for c in self.settings.checks if c not in applicable]
+        if refused:
+            raise pytest.UsageError(
+                f"--enginecheck-checks: {', '.join(refused)} cannot run on a {self.description.kind} target "
+                f"(only {', '.join(applicable)}); point --enginecheck-target at an engine_ref ModelRegistry.")
+        return tuple(c for c in CHECKS if c in self.settings.checks)
+
+    @property
+    def workdir(self) -> str:
+        if self._workdir is None:
+            self._workdir = tempfile.mkdtemp(prefix="enginecheck-")
+        return self._workdir
+
+    def context(self, check: str, entry: ArchEntry) -> CheckContext:
+        s = self.settings
+        return CheckContext(check=check, spec=s.target, architecture=entry.architecture, module=entry.module,
+                            class_name=entry.class_name, workdir=self.workdir, tp_sizes=s.tp_sizes,
+                            strict=s.strict, device_memory=s.device_memory, timeout=s.timeout)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
+                                      items: list[pytest.Item]) -> None:
+        """Add the check items before -k / -m selection runs."""
+        self.checks  # resolves the target now: a bad target is a usage error, not a collection error
+        collector = EngineCheckCollector.from_parent(session, name="enginecheck", nodeid="enginecheck", manager=self)
+        items.extend(session.genitems(collector))
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Keep each check's result (reports from xdist workers arrive here on the controller too)."""
+        for name, value in report.user_properties:
+            if name == RESULT_PROPERTY and report.when == "call":
+                self.results.append(value)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        """The architecture x check table."""
+        if self.results and not self.is_xdist_worker:
+            terminalreporter.section("enginecheck summary")
+            for line in summary_table(self.results):
+                terminalreporter.write_line(line)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """Write the JSON report and remove the session's generated checkpoints."""
+        if self.settings.json_path and not self.is_xdist_worker:
+            write_json(self.settings.json_path, self.settings.target, self.results)
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)

@@ -1,0 +1,7 @@
+"""General plugin 'b': records that it ran."""
+
+from engine_ref_test_plugins import CALLS
+
+
+def register() -> None:
+    CALLS.append("b")

@@ -1,0 +1,9 @@
+import torch
+
+from zoo.base import TinyModel
+
+SCALE = torch.ones(8).to("cuda")
+
+
+class Model(TinyModel):
+    pass

@@ -1,0 +1,6 @@
+"""A native extension crashing at import, as a broken kernel build does."""
+
+import os
+import signal
+
+os.kill(os.getpid(), signal.SIGSEGV)

@@ -1,0 +1,167 @@
+"""The engine-ref command line, run as a real process (``python -m engine_ref.entrypoints.cli``).
+
+Each process pays a torch import (about 2 s), so the module starts its commands together in one
+fixture and each test waits for its own. Further error cases call ``main(argv)`` in this process:
+the same code path, without another interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from engine_ref.engine.report import ENGINE_PHASES
+from engine_ref.entrypoints.cli import main
+from tests.conftest import ARCHITECTURES
+
+LLAMA = "LlamaForCausalLM"
+SMALL = ["--max-model-len", "64", "--max-num-batched-tokens", "64", "--device-memory", "64MiB"]
+Run = Callable[[str], subprocess.CompletedProcess[str]]
+
+
+def start(*args: str) -> subprocess.Popen[str]:
+    """Start ``engine-ref ARGS`` in a fresh interpreter (it inherits this session's model-info cache)."""
+    return subprocess.Popen([sys.executable, "-m", "engine_ref.entrypoints.cli", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(process: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        stdout, stderr = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint: Callable[..., Path]) -> Path:
+    return tiny_checkpoint(LLAMA)
+
+
+@pytest.fixture(scope="module")
+def qwen2_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cli") / "qwen2"
+
+
+@pytest.fixture(scope="module")
+def run(llama: Path, qwen2_target: Path) -> Iterator[Run]:
+    """``run(name)``: the finished process of one of the module's commands, all started at once."""
+    from engine_ref.model_executor.models.registry import ModelRegistry
+
+    processes = {  # these two never ask the registry for a ModelInfo
+        "make-checkpoint": start("make-checkpoint", "Qwen2ForCausalLM", str(qwen2_target), "--num-shards", "2"),
+        "missing dir": start("startup", str(qwen2_target.parent / "does-not-exist")),
+    }
+    ModelRegistry.inspect_model_cls(LLAMA)  # fill the shared ModelInfo cache once, before the others look
+    processes |= {
+        "startup": start("startup", LLAMA, *SMALL),
+        "startup --json": start("startup", str(llama), *SMALL, "--json"),
+        "tp 3": start("startup", str(llama), "--tensor-parallel-size", "3"),
+    }
+    yield lambda name: finish(processes[name])
+    for process in processes.values():
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+def test_startup_of_an_architecture_prints_the_table(run: Run) -> None:
+    """A registered architecture name starts a tiny checkpoint made in a temporary directory."""
+    result = run("startup")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    match = re.search(rf"^{LLAMA} from (\S+)$", out, re.MULTILINE)
+    assert match, out
+    assert not Path(match.group(1)).exists()  # the temporary checkpoint is removed
+    assert "tensor_parallel_size=1 executor=uni max_model_len=64" in out
+    for phase in (*ENGINE_PHASES, "total"):
+        assert re.search(rf"^{phase}\s+\d+\.\d{{3}}$", out, re.MULTILINE), f"no {phase} row in\n{out}"
+    assert re.search(r"^rank\s+pid\s+device\s+load s\s+read\s+weights\s+activations\s+KV cache\s+total\s+capacity$",
+                     out, re.MULTILINE), out
+    assert re.search(r"^0\s+\d+\s+cpu\s+.*\b64\.00 MiB$", out, re.MULTILINE), out
+
+
+def test_startup_json(run: Run, llama: Path) -> None:
+    result = run("startup --json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["architecture"] == LLAMA and report["model"] == str(llama)
+    assert list(report["phases"]) == list(ENGINE_PHASES)
+    [worker] = report["workers"]
+    memory = worker["memory"]
+    assert memory["capacity"] == 64 * 1024**2
+    assert memory["weights"] > 0 and memory["activation_peak"] > 0 and memory["kv_cache"] > 0
+    assert memory["total"] == memory["weights"] + memory["activation_peak"] + memory["kv_cache"]
+    assert worker["bytes_read"] > 0 and worker["pid"] > 0
+
+
+def test_make_checkpoint(run: Run, qwen2_target: Path) -> None:
+    result = run("make-checkpoint")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"wrote Qwen2ForCausalLM checkpoint to {qwen2_target}"
+    assert json.loads((qwen2_target / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    index = json.loads((qwen2_target / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert all((qwen2_target / shard).is_file() for shard in index["weight_map"].values())
+
+
+def test_list_models() -> None:
+    """Listing imports no model (and not torch), so it runs on its own, quickly."""
+    result = finish(start("list-models"))
+    assert result.returncode == 0, result.stderr
+    listed = dict(line.split() for line in result.stdout.splitlines())
+    assert set(ARCHITECTURES) <= set(listed)
+    assert listed[LLAMA] == "engine_ref.model_executor.models.llama:LlamaForCausalLM"
+    assert json.loads(finish(start("list-models", "--json")).stdout) == listed
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("missing dir", "is not a directory; pass a Hugging Face layout directory"),
+        ("tp 3", "tensor_parallel_size=3 does not divide num_attention_heads=4 of LlamaForCausalLM; "
+                 "use one of [1, 2, 4]."),
+    ],
+)
+def test_errors_exit_2_with_one_line_and_no_traceback(run: Run, name: str, message: str) -> None:
+    result = run(name)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("engine-ref: error: ")
+    assert message in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--device-memory", "512KiB", "--max-model-len", "64", "--max-num-batched-tokens", "64"],
+         "No memory is left for the KV cache on rank 0"),
+        (["--device-memory", "8 gigs"], "device_memory='8 gigs' is not a size"),
+        (["--max-model-len", "4096"], "max_model_len=4096 exceeds max_position_embeddings=512"),
+    ],
+    ids=["memory-too-small", "bad-device-memory", "max-model-len-too-long"],
+)
+def test_main_reports_engine_errors_in_one_line(extra: list[str], message: str, llama: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["startup", str(llama), *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("engine-ref: error: ") and captured.err.count("\n") == 1, captured.err
+    assert message in captured.err
+
+
+def test_usage_errors_exit_2() -> None:
+    result = finish(start("startup", LLAMA, "--tensor-parallel-size", "three"))
+    assert result.returncode == 2
+    assert "invalid int value: 'three'" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,325 @@
+"""``pytest --enginecheck`` end to end: the checks over a zoo of broken models (tests/plugin_zoo), the
+bundled zoo, and the same results under pytest-xdist. Few, fat subprocess runs; each one's JSON report
+is then read item by item.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import runpy
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ZOO = Path(__file__).parent / "plugin_zoo"
+MODELS: dict[str, str] = runpy.run_path(str(ZOO / "zoo" / "__init__.py"))["MODELS"]
+CHECKS = "--enginecheck-checks=import,inspect,load,startup"  # the bundled zoo's, budget aside
+TIMEOUT = 4  # --enginecheck-timeout of the broken zoo runs: the hanging module costs this, twice
+RESULT_KEYS = {"arch", "check", "outcome", "duration_s", "message", "detail"}
+BUNDLED = ["LlamaForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
+           "LlavaForConditionalGeneration"]
+BUNDLED_CHECKS = ["import", "inspect", "load[tp=1]", "load[tp=2]", "startup"]
+
+Results = dict[tuple[str, str], dict[str, Any]]
+
+
+@pytest.fixture
+def zoo(pytester: pytest.Pytester) -> pytest.Pytester:
+    """pytester's directory holding the zoo package, importable by the checks' processes."""
+    shutil.copytree(ZOO, pytester.path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    pytester.makeini("[pytest]\npythonpath = .\n")
+    return pytester
+
+
+def run_enginecheck(pytester: pytest.Pytester, *args: str, name: str = "report") -> tuple[pytest.RunResult, Results]:
+    """One ``pytest --enginecheck`` subprocess run; its JSON results by (arch, check)."""
+    path = pytester.path / f"{name}.json"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--enginecheck", f"--enginecheck-json={path}",
+                                           *args, timeout=420)
+    assert path.exists(), result.stdout.str() + result.stderr.str()
+    report = json.loads(path.read_text())
+    target = next((a.split("=", 1)[1] for a in args if a.startswith("--enginecheck-target=")), "engine_ref")
+    assert (set(report), report["version"], report["target"]) == ({"version", "target", "results"}, 1, target)
+    for r in report["results"]:
+        assert set(r) == RESULT_KEYS, r
+        assert r["outcome"] in ("passed", "failed", "skipped") and isinstance(r["message"], str)
+        assert isinstance(r["duration_s"], float) and r["duration_s"] >= 0 and isinstance(r["detail"], dict)
+        assert (r["message"] == "") == (r["outcome"] == "passed"), r
+    results = {(r["arch"], r["check"]): r for r in report["results"]}
+    assert len(results) == len(report["results"]), "one result per item"
+    return result, results
+
+
+def glob(text: str) -> str:
+    """``text`` as an fnmatch pattern whose ``[`` are literal (``*`` stays a wildcard)."""
+    return text.replace("[", "[[]")
+
+
+def alive(pid: int, cmdline_part: str) -> bool:
+    """Whether process ``pid`` still runs (not a zombie) with ``cmdline_part`` in its command line."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return cmdline_part in f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+
+
+def section(output: str, title: str) -> str:
+    """The text of the FAILURES section of a pytest run whose header holds ``title``."""
+    after = output.split(f" {title} _", 1)[1].split("\n", 1)[1]
+    return re.split(r"^(?:_{3,} .+ _{3,}|={3,}.*={3,})$", after, maxsplit=1, flags=re.M)[0].strip()
+
+
+def line_of(path: Path, needle: str) -> int:
+    """The 1-based number of the line of ``path`` that contains ``needle``."""
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if needle in line)
+
+
+# arch -> (module file, the call on the offending line, the API the report names)
+CUDA_AT_IMPORT = {
+    "ZerosCudaModel": ("cuda_zeros", 'torch.zeros(16, device="cuda")', "torch.zeros"),
+    "DotCudaModel": ("cuda_dot_cuda", "torch.ones(8).cuda()", "Tensor.cuda"),
+    "ToCudaModel": ("cuda_to", 'torch.ones(8).to("cuda")', "Tensor.to"),
+    "SetDeviceModel": ("cuda_set_device", "torch.cuda.set_device(0)", "torch.cuda.set_device"),
+    "StreamModel": ("cuda_stream", "torch.cuda.Stream()", "torch.cuda.Stream"),
+    "EventModel": ("cuda_event", "torch.cuda.Event()", "torch.cuda.Event"),
+    "CurrentDeviceModel": ("cuda_current_device", "torch.cuda.current_device()", "torch.cuda.current_device"),
+    "MemGetInfoModel": ("cuda_mem_get_info", "torch.cuda.mem_get_info()", "torch.cuda.mem_get_info"),
+    "SwallowsCudaModel": ("swallows_cuda", 'torch.empty(4, device="cuda")', "torch.empty"),
+}
+INSPECT_PASSES = ["DeviceObjectModel", "UncalledFunctionModel", "GuardedModel", "CachedCapabilityModel",
+                  "QueriesAvailableModel", "QueriesDeviceCountModel"]
+IMPORT_PASSES = [*INSPECT_PASSES, "NotAModel"]
+
+
+def assert_import_results(results: Results, zoo_dir: Path) -> None:
+    """What the import check says about each module of the broken zoo."""
+    seed = results[("SeedVLForConditionalGeneration", "import")]
+    offender = zoo_dir / "zoo" / "expert_parallel.py"
+    assert seed["outcome"] == "failed"
+    assert {k: seed["detail"][k] for k in ("kind", "api", "file", "line", "chain")} == {
+        "kind": "cuda", "api": "torch.cuda.get_device_properties", "file": str(offender),
+        "line": line_of(offender, "get_device_properties"),
+        "chain": ["zoo.seed_vl", "zoo.seed_lm", "zoo.expert_parallel"],
+    }
+    assert seed["message"].startswith(
+        f"Importing zoo.seed_vl touched CUDA: it initialized CUDA: torch.cuda.get_device_properties at "
+        f"{offender}:{seed['detail']['line']} (`SM_COUNT = torch.cuda.get_device_properties(0)")
+    assert "Import chain: zoo.seed_vl -> zoo.seed_lm -> zoo.expert_parallel." in seed["message"]
+    assert "functools.cache" in seed["message"]  # the fix
+
+    for arch, (module, call, api) in CUDA_AT_IMPORT.items():
+        r = results[(arch, "import")]
+        path = zoo_dir / "zoo" / f"{module}.py"
+        assert r["outcome"] == "failed", (arch, r)
+        assert (r["detail"]["api"], r["detail"]["file"], r["detail"]["line"], r["detail"]["chain"]) == \
+               (api, str(path), line_of(path, call), [f"zoo.{module}"]), arch
+        assert r["message"].startswith(f"Importing zoo.{module} touched CUDA: it initialized CUDA: {api} at "), arch
+
+    def failure(arch: str) -> tuple[str, dict[str, Any]]:
+        r = results[(arch, "import")]
+        assert r["outcome"] == "failed", (arch, r)
+        return r["message"], r["detail"]
+
+    message, detail = failure("MissingDependencyModel")
+    assert message == ("Importing zoo.missing_dependency failed: it imports 'zoo_fused_kernels_not_installed', "
+                       "which is not installed. Install it, or import it lazily inside the code that needs it.")
+    assert (detail["kind"], detail["dependency"]) == ("missing_dependency", "zoo_fused_kernels_not_installed")
+    message, detail = failure("RaisesModel")
+    assert message == ("Importing zoo.raises raised ValueError: rope_scaling type 'zigzag' is not supported by "
+                       "this zoo model")
+    assert (detail["kind"], detail["exception"]) == ("exception", "ValueError")
+    assert f'zoo{os.sep}raises.py", line 3, in <module>' in detail["traceback"]
+    message, detail = failure("SegfaultModel")
+    assert message.startswith("Importing zoo.segfault crashed the process: it was killed by SIGSEGV.")
+    assert (detail["kind"], detail["signal"]) == ("crash", "SIGSEGV")
+    message, detail = failure("ExitsModel")
+    assert message.startswith("Importing zoo.exits ended the process with exit code 3 ")
+    assert (detail["kind"], detail["exit_code"]) == ("exit", 3)
+    message, detail = failure("HangsModel")
+    assert message.startswith(f"Importing zoo.hangs did not finish within {TIMEOUT} s (--enginecheck-timeout); "
+                              f"the check's process tree was killed. Its Python stacks at that moment:\n")
+    assert f'zoo{os.sep}hangs.py", line {line_of(zoo_dir / "zoo" / "hangs.py", "time.sleep")} in wait_for_device' \
+           in detail["stacks"]
+    assert detail["kind"] == "timeout"
+    message, detail = failure("MissingClassModel")
+    assert message.startswith("Module zoo.missing_class imports cleanly but has no class 'Model', which "
+                              "MissingClassModel is registered as")
+    assert detail["kind"] == "missing_class"
+
+    for arch in IMPORT_PASSES:
+        assert results[(arch, "import")]["outcome"] == "passed", results[(arch, "import")]
+
+
+def assert_inspect_results(results: Results) -> None:
+    """The registry's inspection, with the child's own words."""
+    not_a_model = results[("NotAModel", "inspect")]
+    assert not_a_model["outcome"] == "failed"
+    assert not_a_model["message"].startswith(
+        "Error inspecting model architecture 'NotAModel' (zoo.not_a_model:Model) in a subprocess. "
+        "The child process reported:\nTraceback (most recent call last):\n")
+    assert not_a_model["message"].endswith(
+        "TypeError: zoo.not_a_model.Model is not a model class: it has no load_weights(); a model must define "
+        "forward() and load_weights(weights) -> set[str].\n")
+    raises = results[("RaisesModel", "inspect")]["message"]
+    assert "ValueError: rope_scaling type 'zigzag' is not supported by this zoo model" in raises
+    assert "was killed by SIGSEGV" in results[("SegfaultModel", "inspect")]["message"]
+    assert "exited with code 3" in results[("ExitsModel", "inspect")]["message"]
+    assert results[("HangsModel", "inspect")]["message"].startswith(
+        f"Inspecting HangsModel did not finish within {TIMEOUT} s (--enginecheck-timeout)")
+    assert "has no class 'Model'" in results[("MissingClassModel", "inspect")]["message"]
+    for arch in INSPECT_PASSES:
+        r = results[(arch, "inspect")]
+        assert r["outcome"] == "passed", r
+        assert (r["detail"]["architecture"], r["detail"]["class_name"]) == (arch, "Model")
+
+
+def test_broken_zoo_serially_and_under_xdist(zoo: pytest.Pytester) -> None:
+    args = ("--enginecheck-target=zoo:MODELS", "--enginecheck-checks=import,inspect", f"--enginecheck-timeout={TIMEOUT}")
+    result, results = run_enginecheck(zoo, *args, name="serial")
+    # Every item ran: the crash, the exit and the hang in the middle stopped nothing.
+    assert set(results) == {(arch, check) for arch in MODELS for check in ("import", "inspect")}
+    assert_import_results(results, zoo.path)
+    assert_inspect_results(results)
+    failed = sum(r["outcome"] == "failed" for r in results.values())
+    result.assert_outcomes(passed=len(results) - failed, failed=failed)
+    result.stdout.fnmatch_lines([
+        "*_ enginecheck SeedVLForConditionalGeneration import _*",
+        "Importing zoo.seed_vl touched CUDA: it initialized CUDA: torch.cuda.get_device_properties at "
+        "*expert_parallel.py:5 (`SM_COUNT = torch.cuda.get_device_properties(0).multi_processor_count*`).",
+        "Import chain: zoo.seed_vl -> zoo.seed_lm -> zoo.expert_parallel.",
+    ])
+    result.stdout.fnmatch_lines([
+        "*= enginecheck summary =*",
+        "architecture * import  inspect",
+        "-----*",
+        "DeviceObjectModel * ok      ok*",  # rows sorted by architecture
+        "SeedVLForConditionalGeneration  FAIL    FAIL*",
+        f"{len(MODELS)} architectures: {len(results) - failed} passed, {failed} failed, 0 skipped",
+    ])
+    result.stdout.fnmatch_lines(["FAILED enginecheck::SegfaultModel::import - Importing zoo.segfault crashed*"])
+    # A CUDA failure reads as its sentences alone, no traceback.
+    assert section(result.stdout.str(), "enginecheck SeedVLForConditionalGeneration import") == \
+        results[("SeedVLForConditionalGeneration", "import")]["message"]
+
+    xresult, xresults = run_enginecheck(zoo, *args, "-n", "2", name="xdist")
+    xresult.stdout.fnmatch_lines(["*2 workers*", "*= enginecheck summary =*"])
+    assert {(r["arch"], r["check"], r["outcome"]) for r in xresults.values()} == \
+           {(r["arch"], r["check"], r["outcome"]) for r in results.values()}
+    assert xresults[("SeedVLForConditionalGeneration", "import")]["detail"]["chain"] == \
+           ["zoo.seed_vl", "zoo.seed_lm", "zoo.expert_parallel"]
+
+
+def test_strict_mode_fails_cuda_queries_at_import(zoo: pytest.Pytester) -> None:
+    result, results = run_enginecheck(zoo, "--enginecheck-target=zoo:MODELS", "--enginecheck-checks=import",
+                                      "--enginecheck-strict", "-k", "Queries or Guarded or DeviceObject or Cached")
+    assert {arch: r["outcome"] for (arch, _), r in results.items()} == {
+        "QueriesAvailableModel": "failed", "QueriesDeviceCountModel": "failed",
+        "GuardedModel": "failed",  # `if torch.cuda.is_available():` at import is itself a query
+        "DeviceObjectModel": "passed", "CachedCapabilityModel": "passed",
+    }
+    for arch, module, api, code in [
+        ("QueriesAvailableModel", "queries_available", "torch.cuda.is_available", "HAS_GPU = torch.cuda.is_available()"),
+        ("QueriesDeviceCountModel", "queries_device_count", "torch.cuda.device_count",
+         "NUM_GPUS = torch.cuda.device_count()"),
+    ]:
+        r = results[(arch, "import")]
+        path = zoo.path / "zoo" / f"{module}.py"
+        assert (r["detail"]["api"], r["detail"]["access"], r["detail"]["line"]) == (api, "query", line_of(path, api))
+        assert r["message"].startswith(f"Importing zoo.{module} queried CUDA: it called {api}() at {path}:"
+                                       f"{r['detail']['line']} (`{code}`), which runs cuInit on a GPU host")
+        assert "PYTORCH_NVML_BASED_CUDA_CHECK=1" in r["message"]
+    result.assert_outcomes(passed=2, failed=3, deselected=len(MODELS) - 5)
+
+
+def test_load_catches_wrong_sharding_and_startup_catches_leaks(zoo: pytest.Pytester) -> None:
+    result, results = run_enginecheck(zoo, "--enginecheck-target=zoo.registry:REGISTRY",
+                                      "--enginecheck-checks=load,startup",
+                                      "-k", "BadShard and load or Leak and startup")
+    assert {key: r["outcome"] for key, r in results.items()} == {
+        ("BadShardLlamaForCausalLM", "load[tp=1]"): "passed",
+        ("BadShardLlamaForCausalLM", "load[tp=2]"): "failed",
+        ("TempLeakLlamaForCausalLM", "startup"): "failed",
+        ("ProcessLeakLlamaForCausalLM", "startup"): "failed",
+    }
+    tp1 = results[("BadShardLlamaForCausalLM", "load[tp=1]")]["detail"]
+    assert tp1["tensor_parallel_size"] == 1 and len(tp1["bytes_read_per_rank"]) == 1
+    tp2 = results[("BadShardLlamaForCausalLM", "load[tp=2]")]
+    assert tp2["message"].startswith("At tensor_parallel_size=2, BadShardLlamaForCausalLM generates different "
+                                     "tokens than at tensor_parallel_size=1 (prompt ")
+    assert "Check the weight_loader of the layers this model changed." in tp2["message"]
+    assert tp2["detail"]["kind"] == "tp_mismatch" and tp2["detail"]["outputs"] != tp2["detail"]["reference"]
+
+    temp = results[("TempLeakLlamaForCausalLM", "startup")]
+    assert temp["message"].startswith("TempLeakLlamaForCausalLM started and shut down at tensor_parallel_size=2, "
+                                      "but left behind: temp entries ['zoo-kernel-cache-")
+    assert temp["detail"]["kind"] == "leak"
+    procs = results[("ProcessLeakLlamaForCausalLM", "startup")]
+    assert procs["message"].startswith("ProcessLeakLlamaForCausalLM started and shut down at tensor_parallel_size=2, "
+                                       "but left behind: child processes [")
+    # one helper per rank, and none of them outlived the check
+    helpers = re.fullmatch(r".*child processes \[(\d+), (\d+)\]\.", procs["message"])
+    assert helpers, procs["message"]
+    assert [pid for pid in map(int, helpers.groups()) if alive(pid, "time.sleep(60)")] == []
+    result.stdout.fnmatch_lines([glob(line) for line in (
+        "*= enginecheck summary =*",
+        "architecture * load[tp=1]  load[tp=2]  startup",
+        "-----*",
+        "BadShardLlamaForCausalLM * ok * FAIL * -*",
+        "ProcessLeakLlamaForCausalLM * - * - * FAIL*",
+        "TempLeakLlamaForCausalLM * - * - * FAIL*",
+        "3 architectures: 1 passed, 3 failed, 0 skipped",
+    )])
+
+
+NORMAL_TEST = "def test_project_unit():\n    assert True\n"
+
+
+def test_bundled_zoo_main_job(pytester: pytest.Pytester) -> None:
+    """README's main job: every architecture of engine_ref passes; the project's own test is deselected."""
+    pytester.makepyfile(test_project=NORMAL_TEST)
+    result, results = run_enginecheck(pytester, "-m", "enginecheck", "-v", CHECKS)
+    assert result.ret == 0, result.stdout.str()
+    result.assert_outcomes(passed=len(BUNDLED) * len(BUNDLED_CHECKS), deselected=1)
+    assert sorted(results) == sorted((arch, check) for arch in BUNDLED for check in BUNDLED_CHECKS)
+    assert [r["message"] for r in results.values() if r["outcome"] != "passed"] == []
+    for tp in (1, 2):
+        detail = results[("LlamaForCausalLM", f"load[tp={tp}]")]["detail"]
+        assert detail["tensor_parallel_size"] == tp and len(detail["bytes_read_per_rank"]) == tp
+    assert results[("LlavaForConditionalGeneration", "inspect")]["detail"]["supports_multimodal"] is True
+    assert "test_project_unit" not in result.stdout.str()
+    result.stdout.fnmatch_lines([glob(f"enginecheck::{arch}::{check} PASSED*") for arch in BUNDLED
+                                 for check in BUNDLED_CHECKS])
+    result.stdout.fnmatch_lines([glob(line) for line in (
+        "*= enginecheck summary =*",
+        "architecture                   import  inspect  load[tp=1]  load[tp=2]  startup",
+        "-------------------------------------------------------------------------------",
+        "LlamaForCausalLM               ok      ok       ok          ok          ok*",
+        "LlavaForConditionalGeneration  ok      ok       ok          ok          ok*",
+        "MixtralForCausalLM             ok      ok       ok          ok          ok*",
+        "Qwen2ForCausalLM               ok      ok       ok          ok          ok*",
+        "Qwen3MoeForCausalLM            ok      ok       ok          ok          ok*",
+        f"5 architectures: {len(results)} passed, 0 failed, 0 skipped",
+    )])
+
+
+def test_bundled_zoo_node_ids_and_selection(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_project=NORMAL_TEST)
+    listed = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--enginecheck", CHECKS, "--collect-only", "-q",
+                                           timeout=300)
+    assert listed.ret == 0, listed.stdout.str() + listed.stderr.str()
+    node_ids = [line for line in listed.outlines if "::" in line]
+    assert node_ids == ["test_project.py::test_project_unit"] + [
+        f"enginecheck::{arch}::{check}" for arch in BUNDLED for check in BUNDLED_CHECKS]
+    assert "enginecheck::LlamaForCausalLM::load[tp=2]" in node_ids
+
+    result, results = run_enginecheck(pytester, CHECKS, "-k", "Llama and import")
+    result.assert_outcomes(passed=1, deselected=len(node_ids) - 1)
+    assert list(results) == [("LlamaForCausalLM", "import")]

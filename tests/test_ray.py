@@ -1,0 +1,122 @@
+"""RayDistributedExecutor against a real local Ray: same tokens, same report, nothing left running.
+
+Ray is the optional extra ``ray``; CI installs it (``pip install '.[test,ray]'``), and only its
+absence skips these tests.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from engine_ref import LLM
+from engine_ref.errors import WorkerStartupError
+from engine_ref.executor.ray_distributed import RayDistributedExecutor
+from engine_ref.isolation import RemoteTraceback
+from tests import fault_models
+from tests.fault_models import fault_overrides
+from tests.test_tensor_parallel import MAX_SHARE_READ_AT_TP2, checkpoint_bytes
+
+ray = pytest.importorskip("ray", reason="ray is not installed; install the extra: pip install '.[ray]'")
+
+LLAMA = "LlamaForCausalLM"
+ENGINE: dict[str, Any] = {"device_memory": "64MiB", "max_model_len": 64, "max_num_batched_tokens": 64,
+                          "distributed_executor_backend": "ray", "tensor_parallel_size": 2}
+PROMPTS = [[1, 5, 9, 13, 17], [7, 3]]
+MAX_TOKENS = 4
+
+
+def descendants() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+
+
+def actor_processes() -> set[int]:
+    """Our Ray's actor processes that run an engine rank (Ray titles them ``ray::RayWorkerWrapper``)."""
+    found = set()
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if "RayWorkerWrapper" in " ".join(proc.cmdline()):
+                found.add(proc.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def wait_gone(pids: set[int], timeout: float) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = {pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE}
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def no_ray_running() -> Iterator[None]:
+    assert not ray.is_initialized(), "a Ray from an earlier test is still running"
+    yield
+    if ray.is_initialized():  # a failed test must not leave its Ray to the next one
+        ray.shutdown()
+
+
+def test_ray_tp2_matches_tp1_and_stops_the_ray_it_started(tiny_checkpoint: Callable[..., Path],
+                                                          no_ray_running: None) -> None:
+    model = tiny_checkpoint(LLAMA)
+    with LLM(str(model), device_memory="64MiB", max_model_len=64, max_num_batched_tokens=64) as reference:
+        expected = reference.generate(PROMPTS, max_tokens=MAX_TOKENS, ignore_eos=True)
+    before = descendants()
+
+    with LLM(str(model), **ENGINE) as llm:
+        assert {w.pid for w in llm.startup_report.workers} == actor_processes()
+        executor = llm.engine.executor
+        assert isinstance(executor, RayDistributedExecutor) and executor.started_ray
+        assert ray.is_initialized()
+        assert llm.generate(PROMPTS, max_tokens=MAX_TOKENS, ignore_eos=True) == expected
+        report = llm.startup_report
+        tmp_dir = Path(executor.distributed_init_method.removeprefix("file://")).parent
+
+    assert report.executor_backend == "ray" and [w.rank for w in report.workers] == [0, 1]
+    pids = {w.pid for w in report.workers}
+    assert len(pids) == 2 and os.getpid() not in pids
+    total = checkpoint_bytes(model)
+    for worker in report.workers:
+        assert 0 < worker.bytes_read <= MAX_SHARE_READ_AT_TP2 * total
+        assert set(worker.phases) >= {"init_device", "load_model", "profile_run", "initialize_cache"}
+        assert worker.memory.weights > 0 and worker.memory.kv_cache > 0
+    assert len({w.memory.kv_cache for w in report.workers}) == 1
+
+    assert not ray.is_initialized(), "the executor started Ray, so its shutdown must stop it"
+    assert not wait_gone(pids, timeout=5), "Ray actors outlived the engine"
+    assert not wait_gone(descendants() - before, timeout=5), "Ray's processes outlived the engine"
+    assert not tmp_dir.exists()
+
+
+@pytest.fixture
+def caller_ray(no_ray_running: None) -> Iterator[None]:
+    session_dir = tempfile.mkdtemp(prefix="ray-")  # short: Ray puts unix sockets there
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=session_dir)
+    yield
+    ray.shutdown()
+    shutil.rmtree(session_dir, ignore_errors=True)
+
+
+def test_ray_worker_failure_names_rank_and_leaves_the_callers_ray(tiny_checkpoint: Callable[..., Path],
+                                                                  caller_ray: None) -> None:
+    with fault_models.registered() as arch:
+        model = tiny_checkpoint(arch, overrides=fault_overrides("raise", "load_weights"))
+        with pytest.raises(WorkerStartupError) as info:
+            LLM(str(model), **ENGINE)
+    message = str(info.value)
+    assert message.startswith("Worker rank 1 (pid ")
+    assert "failed in load_model: tests.fault_models.InjectedFault: injected fault on rank 1" in message
+    assert isinstance(info.value.__cause__, RemoteTraceback) and "_maybe_fail" in info.value.__cause__.text
+    assert ray.is_initialized(), "a Ray the caller started must be left running"
+    assert not wait_gone(actor_processes(), timeout=10), "the failed engine's actors were not killed"
