@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -296,36 +297,43 @@ class EngineConfig:
                 )
 
 
-def valid_tensor_parallel_sizes(num_heads: int, num_kv_heads: int, limit: int = 64) -> list[int]:
-    """TP sizes that split attention heads evenly, with KV heads split or evenly replicated."""
-    return [
-        tp for tp in range(1, min(limit, num_heads) + 1)
-        if num_heads % tp == 0 and (num_kv_heads % tp == 0 or tp % num_kv_heads == 0)
-    ]
+def tensor_parallel_dims(hf_config: Mapping[str, Any]) -> dict[str, int]:
+    """The sizes tensor parallelism splits evenly: attention heads and MLP widths, text and vision."""
+    text = get_text_config(hf_config)
+    dims = {"num_attention_heads": text["num_attention_heads"]}
+    for key in ("intermediate_size", "moe_intermediate_size"):
+        if isinstance(text.get(key), int):
+            dims[key] = text[key]
+    vision = hf_config.get("vision_config") or {}
+    for key in ("num_attention_heads", "intermediate_size"):
+        if isinstance(vision.get(key), int):
+            dims[f"vision_config.{key}"] = vision[key]
+    return dims
+
+
+def _kv_heads_split(num_kv_heads: int, tp: int) -> bool:
+    """KV heads are split over ranks, or each replicated on tp / num_kv_heads ranks."""
+    return num_kv_heads % tp == 0 or tp % num_kv_heads == 0
+
+
+def valid_tensor_parallel_sizes(hf_config: Mapping[str, Any], limit: int = 64) -> list[int]:
+    """Every tensor_parallel_size up to ``limit`` that splits the model evenly."""
+    dims = tensor_parallel_dims(hf_config)
+    text = get_text_config(hf_config)
+    kv_heads = text.get("num_key_value_heads") or text["num_attention_heads"]
+    return [tp for tp in range(1, limit + 1)
+            if all(size % tp == 0 for size in dims.values()) and _kv_heads_split(kv_heads, tp)]
 
 
 def verify_tensor_parallel_size(model: ModelConfig, tp: int) -> None:
-    """Raise ConfigError when tp does not split the attention (and KV) heads evenly.
-
-    Multimodal models shard their vision tower too, so its heads must split as well.
-    """
-    heads, kv_heads = model.num_attention_heads, model.num_key_value_heads
-    valid = valid_tensor_parallel_sizes(heads, kv_heads)
-    what = []
-    if heads % tp:
-        what.append(f"num_attention_heads={heads}")
-    elif not (kv_heads % tp == 0 or tp % kv_heads == 0):
-        what.append(f"num_key_value_heads={kv_heads} (and is not a multiple of it)")
-    vision = model.hf_config.get("vision_config")
-    if vision and "num_attention_heads" in vision:
-        vision_heads = vision["num_attention_heads"]
-        valid = [t for t in valid if vision_heads % t == 0]
-        if vision_heads % tp:
-            what.append(f"vision_config.num_attention_heads={vision_heads}")
-    if what:
+    """Raise ConfigError when tp does not split the heads (text and vision) and MLP widths evenly."""
+    uneven = [f"{name}={size}" for name, size in tensor_parallel_dims(model.hf_config).items() if size % tp]
+    if not _kv_heads_split(model.num_key_value_heads, tp):
+        uneven.append(f"num_key_value_heads={model.num_key_value_heads} (and is not a multiple of it)")
+    if uneven:
         raise ConfigError(
-            f"tensor_parallel_size={tp} does not divide {' or '.join(what)} of {model.architecture}; "
-            f"use one of {valid}."
+            f"tensor_parallel_size={tp} does not divide {' or '.join(uneven)} of {model.architecture}; "
+            f"use one of {valid_tensor_parallel_sizes(model.hf_config)}."
         )
 
 

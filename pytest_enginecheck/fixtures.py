@@ -6,6 +6,7 @@ Nothing heavy is imported until a fixture is used.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,8 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     architecture name gets a tiny checkpoint), shut it down at teardown, and fail the test if it left
     a process, pipe, socket, temp entry or shared-memory segment behind.
 
-    Under ``@pytest.mark.memory_budget(per_rank="512MiB")`` the engine's device memory defaults to the
+    The engines get a private temp dir (TMPDIR) for the test. Under
+    ``@pytest.mark.memory_budget(per_rank="512MiB")`` the engine's device memory defaults to the
     budget, and the test fails when a rank needs more (weights + activations + KV of one request).
     """
     from engine_ref.errors import KVCacheTooSmallError
@@ -91,7 +93,12 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     budget_text = _marker_arg(request, "memory_budget", "per_rank")
     budget = parse_size(budget_text, "memory_budget(per_rank)") if budget_text is not None else None
     ensure_warm_parent()
-    tmp_path_factory.getbasetemp()
+    # A private temp dir for the test: what its engines leave there is theirs, not another
+    # process's (pytest-xdist workers and other jobs share the system's).
+    private_tmp = tmp_path_factory.mktemp("engine-tmp")
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("TMPDIR", str(private_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)
     before = ResourceSnapshot.take()
     started: list[Any] = []
 
@@ -117,9 +124,12 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             pytest.fail(f"memory_budget(per_rank={budget_text!r}): " + "; ".join(violations), pytrace=False)
         return llm
 
-    yield start
-    for llm in started:
-        llm.shutdown()
-    leaks = wait_for_no_leaks(before, ignore_regular_files=True)
+    try:
+        yield start
+    finally:
+        for llm in started:
+            llm.shutdown()
+        leaks = wait_for_no_leaks(before, ignore_regular_files=True)
+        monkeypatch.undo()
     if leaks:
         pytest.fail(f"the engine(s) this test started left behind: {'; '.join(leaks)}", pytrace=False)

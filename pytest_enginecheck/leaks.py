@@ -55,6 +55,14 @@ def _listening_inodes() -> set[str]:
     return inodes
 
 
+# Per-user caches that torch creates in the temp dir on first use and keeps on purpose.
+_PERSISTENT_CACHES = ("torchinductor_",)
+
+
+def _temp_entries() -> set[str]:
+    return {name for name in _listdir(tempfile.gettempdir()) if not name.startswith(_PERSISTENT_CACHES)}
+
+
 def _listdir(path: str) -> set[str]:
     try:
         return set(os.listdir(path))
@@ -77,7 +85,7 @@ class ResourceSnapshot:
         fds = _fds()
         own_sockets = {target[8:-1] for target in fds.values() if target.startswith("socket:[")}
         return cls(frozenset(_children(os.getpid())), fds, frozenset(own_sockets & _listening_inodes()),
-                   frozenset(_listdir(tempfile.gettempdir())), frozenset(_listdir("/dev/shm")))
+                   frozenset(_temp_entries()), frozenset(_listdir("/dev/shm")))
 
     def leaked_since(self, before: ResourceSnapshot, ignore_regular_files: bool = False) -> list[str]:
         """Plain descriptions of what exists now but did not before.

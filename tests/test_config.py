@@ -72,7 +72,7 @@ BAD_CONFIGS = {
     "tp-does-not-divide-kv-heads": BadConfig(
         {"tensor_parallel_size": 3},
         ("tensor_parallel_size=3", "num_key_value_heads=4", "use one of [1, 2, 4, 12]"),
-        overrides={"hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 4}),
+        overrides={"hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 4, "intermediate_size": 192}),
     "tp-zero": BadConfig({"tensor_parallel_size": 0}, ("tensor_parallel_size=0", "positive integer")),
     "gpu-memory-utilization-0": BadConfig(
         {"gpu_memory_utilization": 0}, ("gpu_memory_utilization=0 ", "(0, 1]", "e.g. 0.9")),
@@ -287,6 +287,9 @@ def head_counts(draw: st.DrawFn) -> tuple[int, int, int]:
     return heads, kv_heads, tp
 
 
+MLP_SPLITS_ANY_TP = 2**5 * 3**3 * 5**2 * 7 * 11 * 13 * 17 * 19 * 23 * 29 * 31  # divisible by 1..32
+
+
 def _expect_valid(heads: int, kv_heads: int, tp: int) -> bool:
     return heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
 
@@ -296,8 +299,9 @@ def _expect_valid(heads: int, kv_heads: int, tp: int) -> bool:
 def test_tp_validation_passes_iff_tp_splits_the_heads(counts: tuple[int, int, int]) -> None:
     heads, kv_heads, tp = counts
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_model_dir(Path(tmp), overrides={
+        model = write_model_dir(Path(tmp), overrides={  # an MLP width every TP size up to 32 splits
             "num_attention_heads": heads, "num_key_value_heads": kv_heads, "hidden_size": 8 * heads,
+            "intermediate_size": MLP_SPLITS_ANY_TP,
         })
         if _expect_valid(heads, kv_heads, tp):
             assert create_config(model, tensor_parallel_size=tp).parallel_config.world_size == tp
@@ -313,8 +317,10 @@ def test_tp_validation_passes_iff_tp_splits_the_heads(counts: tuple[int, int, in
 def test_tp_validation_includes_llava_vision_heads(counts: tuple[int, int, int], vision_heads: int) -> None:
     heads, kv_heads, tp = counts
     overrides = example_config(LLAVA)
-    overrides["text_config"].update(num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=8 * heads)
-    overrides["vision_config"].update(num_attention_heads=vision_heads, hidden_size=8 * vision_heads)
+    overrides["text_config"].update(num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=8 * heads,
+                                    intermediate_size=MLP_SPLITS_ANY_TP)
+    overrides["vision_config"].update(num_attention_heads=vision_heads, hidden_size=8 * vision_heads,
+                                      intermediate_size=MLP_SPLITS_ANY_TP)
     with tempfile.TemporaryDirectory() as tmp:
         model = write_model_dir(Path(tmp), LLAVA, overrides=overrides)
         if _expect_valid(heads, kv_heads, tp) and vision_heads % tp == 0:

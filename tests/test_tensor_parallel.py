@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from engine_ref import LLM
-from engine_ref.config import HFConfig, get_text_config, valid_tensor_parallel_sizes
+from engine_ref.config import valid_tensor_parallel_sizes
 from engine_ref.engine.report import StartupReport
 from engine_ref.model_executor.model_loader.checkpoint import example_config
 from tests.conftest import ARCHITECTURES
@@ -31,13 +31,8 @@ MAX_SHARE_READ_AT_TP2 = 0.55
 
 
 def tp_sizes(architecture: str) -> list[int]:
-    """TP sizes up to 4 that split this architecture's (text and vision) heads."""
-    config = example_config(architecture)
-    text = get_text_config(HFConfig(config))
-    sizes = valid_tensor_parallel_sizes(text["num_attention_heads"],
-                                        text.get("num_key_value_heads") or text["num_attention_heads"], limit=4)
-    vision_heads = config.get("vision_config", {}).get("num_attention_heads")
-    return [tp for tp in sizes if vision_heads is None or vision_heads % tp == 0]
+    """TP sizes up to 4 that split this architecture evenly (text and vision)."""
+    return valid_tensor_parallel_sizes(example_config(architecture), limit=4)
 
 
 def prompts_for(architecture: str) -> tuple[list[list[int]], list[torch.Tensor | None] | None]:

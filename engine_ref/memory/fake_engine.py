@@ -56,12 +56,12 @@ def building(config: EngineConfig, label: str, rank: int = 0, world_size: int | 
         negative = [f"{name}={value}" for name, value in sizes.items() if value <= 0]
         uneven = [f"{name}={value}" for name, value in sizes.items()
                   if value > 0 and value % tp and name != "vocab_size"]  # the vocabulary is padded to a multiple
-        valid = valid_tensor_parallel_sizes(model.num_attention_heads, model.num_key_value_heads)
+        valid = valid_tensor_parallel_sizes(model.hf_config)
         if negative:
             fix = f"config.json has sizes that must be positive: {', '.join(negative)}"
         elif uneven:
             fix = (f"config.json has sizes that tensor_parallel_size={tp} does not divide: {', '.join(uneven)}; "
-                   f"choose a tensor_parallel_size that divides them (the attention heads allow {valid})")
+                   f"choose a tensor_parallel_size that divides them (valid sizes: {valid})")
         else:
             fix = "check config.json's sizes"
         raise ConfigError(

@@ -55,10 +55,22 @@ class ModelRunner:
         lens = [max_len] * (total // max_len)
         return lens + [total % max_len] if total % max_len else lens
 
+    def profile_seqs(self) -> list[ScheduledSequence]:
+        """The profile batch; a multimodal model's first sequence carries one (blank) image."""
+        seqs = [ScheduledSequence(i, [0] * n, 0, []) for i, n in enumerate(self.profile_seq_lens())]
+        dummy_image = getattr(self.model, "dummy_image_inputs", None)
+        if dummy_image is not None:
+            placeholders, pixel_values = dummy_image()
+            first = seqs[0]
+            if len(placeholders) <= len(first.token_ids):
+                first.token_ids[:len(placeholders)] = placeholders
+                first.pixel_values = pixel_values
+        return seqs
+
     @torch.inference_mode()
     def profile_run(self) -> int:
         """Run the largest batch the scheduler may send, without a KV cache; return its peak bytes."""
-        seqs = [ScheduledSequence(i, [0] * n, 0, []) for i, n in enumerate(self.profile_seq_lens())]
+        seqs = self.profile_seqs()
         existing = [*self.model.parameters(), *self.model.buffers()]
         _, peak = measure_peak(lambda: self._run(seqs, with_cache=False), self.device, existing)
         return peak

@@ -88,6 +88,12 @@ class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
     def tokens_per_image(self) -> int:
         return self.vision_tower.num_patches + (self.select_strategy == "full")
 
+    def dummy_image_inputs(self) -> tuple[list[int], torch.Tensor]:
+        """One image's placeholder tokens and a blank image: the profile run's multimodal input."""
+        size = self.vision_tower.vision_model.embeddings.image_size
+        dtype = self.vision_tower.vision_model.embeddings.patch_embedding.weight.dtype
+        return [self.image_token_index] * self.tokens_per_image, torch.zeros(1, 3, size, size, dtype=dtype)
+
     def get_image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[images, 3, H, W]`` -> ``[images * tokens_per_image, text hidden]``."""
         features = self.vision_tower(pixel_values)
