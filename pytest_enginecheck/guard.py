@@ -156,6 +156,39 @@ def libcuda_loaded() -> bool:
         return False
 
 
+_holders_cache: dict[tuple[str, ...], list[tuple[Any, str]]] = {}
+
+
+def find_holders(originals: dict[str, Any]) -> list[tuple[Any, str]]:
+    """(module, name) of every loaded torch module holding ``originals[name]`` under ``name``
+    (always called with ``guarded_originals()``, so the cache holds one answer per module set).
+
+    Reads each module's ``__dict__``, not getattr: torch.ops and torch.classes create (and keep) a
+    namespace for any attribute asked of them, and module ``__getattr__``s import lazily. Cached
+    per set of loaded torch modules: scanning them costs a forked child ~10 ms of copy-on-write
+    page faults, so the warm parent scans once (``import_check`` calls this at import) and its
+    children reuse the answer.
+    """
+    torch_modules = tuple(name for name in sys.modules if name.startswith("torch"))
+    holders = _holders_cache.get(torch_modules)
+    if holders is None:
+        holders = []
+        for module_name in torch_modules:
+            namespace = getattr(sys.modules[module_name], "__dict__", None) or {}
+            holders += [(sys.modules[module_name], name) for name in originals.keys() & namespace.keys()
+                        if namespace[name] is originals[name]]
+        _holders_cache[torch_modules] = holders
+    return holders
+
+
+def guarded_originals() -> dict[str, Any]:
+    """Every torch.cuda attribute a guard (strict or not) replaces, by name."""
+    import torch.cuda
+
+    names = ("_lazy_init", *_EARLY_FAILING_FUNCTIONS, *_EARLY_FAILING_CLASSES, *_QUERY_FUNCTIONS)
+    return {name: getattr(torch.cuda, name) for name in names if getattr(torch.cuda, name, None) is not None}
+
+
 class CudaGuard:
     """While active, any CUDA initialization raises CudaAccessError and is recorded in ``accesses``.
 
@@ -209,36 +242,35 @@ class CudaGuard:
         self._saved.append((owner, name, getattr(owner, name)))
         setattr(owner, name, value)
 
-    def _replace_everywhere(self, original: Any, replacement: Any, name: str) -> None:
-        """Replace ``original`` in every loaded torch module that holds it under ``name``.
-
-        Reads each module's ``__dict__``, not getattr: torch.ops and torch.classes create (and keep)
-        a namespace for any attribute asked of them, and module ``__getattr__``s import lazily.
-        """
-        for module_name, module in list(sys.modules.items()):
-            if module_name.startswith("torch") and module is not None and \
-                    getattr(module, "__dict__", {}).get(name) is original:
-                self._set(module, name, replacement)
+    def _replace_everywhere(self, replacements: dict[str, tuple[Any, Any]]) -> None:
+        """For each ``name: (original, replacement)``, replace ``original`` in every loaded torch
+        module that holds it under ``name``."""
+        for module, name in find_holders(guarded_originals()):
+            original, replacement = replacements.get(name, (None, None))
+            if original is not None and module.__dict__.get(name) is original:
+                self._saved.append((module, name, original))
+                setattr(module, name, replacement)
 
     def __enter__(self) -> CudaGuard:
         import torch
         import torch.cuda
 
         cuda = torch.cuda
-        self._replace_everywhere(cuda._lazy_init, self._blocked(None), "_lazy_init")
+        replacements: dict[str, tuple[Any, Any]] = {"_lazy_init": (cuda._lazy_init, self._blocked(None))}
         for name in _EARLY_FAILING_FUNCTIONS:
             original = getattr(cuda, name, None)
             if original is not None:
-                self._replace_everywhere(original, self._blocked(f"torch.cuda.{name}"), name)
+                replacements[name] = (original, self._blocked(f"torch.cuda.{name}"))
         for name in _EARLY_FAILING_CLASSES:
             original = getattr(cuda, name, None)
             if isinstance(original, type):
-                self._replace_everywhere(original, self._blocked_class(name, original), name)
-        self._set(torch.Tensor, "pin_memory", self._blocked("torch.Tensor.pin_memory"))
+                replacements[name] = (original, self._blocked_class(name, original))
         if self.strict:
             for name in _QUERY_FUNCTIONS:
                 original = getattr(cuda, name)
-                self._replace_everywhere(original, self._queried(name, original), name)
+                replacements[name] = (original, self._queried(name, original))
+        self._replace_everywhere(replacements)
+        self._set(torch.Tensor, "pin_memory", self._blocked("torch.Tensor.pin_memory"))
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -14,7 +14,9 @@ import traceback
 from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure
-from pytest_enginecheck.guard import CudaAccess, CudaGuard, libcuda_loaded
+from pytest_enginecheck.guard import CudaAccess, CudaGuard, find_holders, guarded_originals, libcuda_loaded
+
+find_holders(guarded_originals())  # in the warm parent, once: every check's child reuses it
 
 
 def _trim_chain(access: CudaAccess, module: str) -> list[str]:
