@@ -361,8 +361,14 @@ class EngineArgs:
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
-    def create_engine_config(self, registry: _ModelRegistry | None = None) -> EngineConfig:
-        """Validate every field, resolve the architecture through the registry, return EngineConfig."""
+    def create_engine_config(self, registry: _ModelRegistry | None = None,
+                             inspect_in_subprocess: bool = True) -> EngineConfig:
+        """Validate every field, resolve the architecture through the registry, return EngineConfig.
+
+        The model class is inspected in a subprocess (the registry's cached inspection), or in this
+        process with ``inspect_in_subprocess=False`` when the caller imports the model anyway.
+        """
+        from engine_ref.model_executor.models.interfaces import ModelInfo
         from engine_ref.model_executor.models.registry import ModelRegistry
 
         registry = registry or ModelRegistry
@@ -381,7 +387,10 @@ class EngineArgs:
             device_config=DeviceConfig(self.device, self.device_memory),
             scheduler_config=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs),
         )
-        info = registry.inspect_model_cls(arch)
+        if inspect_in_subprocess:
+            info = registry.inspect_model_cls(arch)
+        else:
+            info = ModelInfo.from_model_cls(arch, registry.resolve_model_cls(arch))
         if parallel_config.tensor_parallel_size > 1 and not info.supports_tp:
             raise ConfigError(
                 f"{arch} does not support tensor parallelism; use tensor_parallel_size=1."

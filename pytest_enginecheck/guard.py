@@ -62,8 +62,8 @@ class CudaAccess:
             what = (f"called {self.api}(){where}{code}, which runs cuInit on a GPU host (unless "
                     f"PYTORCH_NVML_BASED_CUDA_CHECK=1) and makes later forked workers fail.")
         elif self.kind == "driver":
-            what = (f"loaded the CUDA driver library (libcuda) without going through torch: something "
-                    f"called cuInit directly (ctypes, cuda-python, pynvml's CUDA calls...).")
+            what = ("loaded the CUDA driver library (libcuda) without going through torch: something "
+                    "called cuInit directly (ctypes, cuda-python, pynvml's CUDA calls...).")
         else:
             what = f"initialized CUDA: {self.api}{where}{code}."
         return f"{what}{chain}"

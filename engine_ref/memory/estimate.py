@@ -23,16 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine_ref.config import (
-    CacheConfig,
-    DeviceConfig,
-    EngineConfig,
-    LoadConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    unknown_architecture_error,
-)
+from engine_ref.config import EngineArgs, EngineConfig
 from engine_ref.errors import ConfigError
 from engine_ref.memory.compare import EstimateComparison, MemoryDifference, compare_with_report
 from engine_ref.utils import format_bytes
@@ -217,32 +208,13 @@ def _model_directory(config: str | os.PathLike[str] | Mapping[str, Any]) -> Iter
         yield Path(tmp), str(path)
 
 
-def _engine_config(model_dir: Path, label: str, registry: _ModelRegistry, *, device_memory: str | int,
-                   tensor_parallel_size: int, dtype: str, gpu_memory_utilization: float,
-                   max_model_len: int | None, max_num_batched_tokens: int | None, block_size: int) -> EngineConfig:
-    """The EngineConfig the engine would validate for these arguments (load_format 'dummy')."""
-    from engine_ref.model_executor.models.interfaces import ModelInfo
-
+def _engine_config(model_dir: Path, label: str, registry: _ModelRegistry, **engine_args: Any) -> EngineConfig:
+    """The EngineConfig the engine would validate for these arguments (load_format 'dummy', on CPU)."""
+    args = EngineArgs(str(model_dir), load_format="dummy", device="cpu", **engine_args)
     try:
-        model_config = ModelConfig(str(model_dir), dtype, max_model_len)
-        arch = model_config.architecture
-        if arch not in registry.get_supported_archs():
-            raise unknown_architecture_error(arch, registry.get_supported_archs())
-        config = EngineConfig(
-            model_config=model_config,
-            parallel_config=ParallelConfig(tensor_parallel_size),
-            cache_config=CacheConfig(block_size, gpu_memory_utilization),
-            load_config=LoadConfig("dummy"),
-            device_config=DeviceConfig("cpu", device_memory),
-            scheduler_config=SchedulerConfig(max_num_batched_tokens),
-        )
+        return args.create_engine_config(registry, inspect_in_subprocess=False)
     except ConfigError as e:
         if label == str(model_dir):
             raise
         message = str(e).replace(str(model_dir / "config.json"), label).replace(str(model_dir), label)
         raise type(e)(message) from None  # it names the user's file, not the temporary copy
-    info = ModelInfo.from_model_cls(arch, registry.resolve_model_cls(arch))
-    if tensor_parallel_size > 1 and not info.supports_tp:
-        raise ConfigError(f"{arch} does not support tensor parallelism; use tensor_parallel_size=1.")
-    config.model_info = info
-    return config
