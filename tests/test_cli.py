@@ -128,8 +128,8 @@ def test_list_models() -> None:
     ("name", "message"),
     [
         ("missing dir", "is not a directory; pass a Hugging Face layout directory"),
-        ("tp 3", "tensor_parallel_size=3 does not divide num_attention_heads=4 of LlamaForCausalLM; "
-                 "use one of [1, 2, 4]."),
+        ("tp 3", "tensor_parallel_size=3 does not divide num_attention_heads=4 or intermediate_size=128 or "
+                 "num_key_value_heads=2 (and is not a multiple of it) of LlamaForCausalLM; use one of [1, 2, 4]."),
     ],
 )
 def test_errors_exit_2_with_one_line_and_no_traceback(run: Run, name: str, message: str) -> None:
