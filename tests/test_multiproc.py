@@ -362,8 +362,12 @@ if sys.argv[2] == "hold":
 def _start_script(llama: Path, tmp_path: Path, mode: str) -> subprocess.Popen[str]:
     script = tmp_path / "engine_script.py"
     script.write_text(ENGINE_SCRIPT.format(engine=ENGINE))
+    # A private TMPDIR: a script killed on purpose cannot remove what it made (multiprocessing's pymp-* dir).
+    tmp = tmp_path / "script-tmp"
+    tmp.mkdir()
     return subprocess.Popen([sys.executable, str(script), str(llama), mode], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "TMPDIR": str(tmp)})
 
 
 def _read_engine(proc: subprocess.Popen[str], timeout: float) -> tuple[Path, list[int]]:
