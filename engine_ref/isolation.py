@@ -324,6 +324,15 @@ def start_process(target: Callable[..., Any], *args: Any, name: str = "engine_re
     _launching.active = True
     try:
         process.start()
+    except OSError as e:
+        if "AF_UNIX path too long" not in str(e):
+            raise
+        import tempfile
+
+        raise ConfigError(
+            f"the warm parent's Unix socket cannot be created under TMPDIR={tempfile.gettempdir()!r}: the path "
+            f"is longer than a Unix socket allows (108 bytes). Set TMPDIR to a shorter directory, e.g. /tmp."
+        ) from None
     finally:
         _launching.active = False
     death_r.close()

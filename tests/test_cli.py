@@ -8,9 +8,12 @@ the same code path, without another interpreter.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -165,3 +168,21 @@ def test_usage_errors_exit_2() -> None:
     result = finish(start("startup", LLAMA, "--tensor-parallel-size", "three"))
     assert result.returncode == 2
     assert "invalid int value: 'three'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_temp_dir_too_long_for_the_warm_parents_socket_is_named(llama: Path) -> None:
+    """multiprocessing's forkserver binds a Unix socket under TMPDIR (at most 108 bytes of path)."""
+    root = Path(tempfile.mkdtemp(prefix="er-cli-"))
+    long_tmp = root / ("t" * 100)
+    long_tmp.mkdir()
+    try:
+        process = subprocess.run(
+            [sys.executable, "-m", "engine_ref.entrypoints.cli", "startup", str(llama), "--tensor-parallel-size",
+             "2", "--device-memory", "64MiB", "--max-model-len", "64", "--max-num-batched-tokens", "64"],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(long_tmp)})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert process.returncode == 2, process.stderr
+    assert "Traceback" not in process.stderr
+    assert f"TMPDIR={str(long_tmp)!r}" in process.stderr
+    assert "Set TMPDIR to a shorter directory" in process.stderr

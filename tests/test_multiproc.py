@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -359,15 +360,12 @@ if sys.argv[2] == "hold":
 """
 
 
-def _start_script(llama: Path, tmp_path: Path, mode: str) -> subprocess.Popen[str]:
-    script = tmp_path / "engine_script.py"
+def _start_script(llama: Path, script_dir: Path, mode: str) -> subprocess.Popen[str]:
+    script = script_dir / "engine_script.py"
     script.write_text(ENGINE_SCRIPT.format(engine=ENGINE))
-    # A private TMPDIR: a script killed on purpose cannot remove what it made (multiprocessing's pymp-* dir).
-    tmp = tmp_path / "script-tmp"
-    tmp.mkdir()
     return subprocess.Popen([sys.executable, str(script), str(llama), mode], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "TMPDIR": str(tmp)})
+                            env={**os.environ, "TMPDIR": str(script_dir / "script-tmp")})
 
 
 def _read_engine(proc: subprocess.Popen[str], timeout: float) -> tuple[Path, list[int]]:
@@ -392,9 +390,20 @@ def scripts() -> Iterator[list[subprocess.Popen[str]]]:
         proc.communicate()
 
 
-def test_workers_exit_when_the_parent_is_killed(llama: Path, tmp_path: Path,
+@pytest.fixture
+def script_dir() -> Iterator[Path]:
+    """A short private dir for an engine script, and its TMPDIR (``script-tmp`` inside): a script killed on
+    purpose cannot remove what it made there (multiprocessing's pymp-* dir), and the forkserver's Unix
+    socket path under it must stay within AF_UNIX's 108 bytes, which pytest's tmp_path can exceed."""
+    root = Path(tempfile.mkdtemp(prefix="er-mp-"))
+    (root / "script-tmp").mkdir()
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_workers_exit_when_the_parent_is_killed(llama: Path, script_dir: Path,
                                                 scripts: list[subprocess.Popen[str]]) -> None:
-    proc = _start_script(llama, tmp_path, "hold")
+    proc = _start_script(llama, script_dir, "hold")
     scripts.append(proc)
     rendezvous_dir, workers = _read_engine(proc, timeout=60)
     descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
@@ -405,9 +414,9 @@ def test_workers_exit_when_the_parent_is_killed(llama: Path, tmp_path: Path,
     assert not rendezvous_dir.exists(), "the engine's temp dir outlived it (it is not needed after startup)"
 
 
-def test_workers_stop_at_interpreter_exit(llama: Path, tmp_path: Path,
+def test_workers_stop_at_interpreter_exit(llama: Path, script_dir: Path,
                                           scripts: list[subprocess.Popen[str]]) -> None:
-    proc = _start_script(llama, tmp_path, "exit")
+    proc = _start_script(llama, script_dir, "exit")
     scripts.append(proc)
     rendezvous_dir, workers = _read_engine(proc, timeout=60)
     _, stderr = proc.communicate(timeout=30)
