@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -356,10 +356,6 @@ class EngineArgs:
     device_memory: str | int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
     def create_engine_config(self, registry: _ModelRegistry | None = None,
                              inspect_in_subprocess: bool = True) -> EngineConfig:

@@ -13,7 +13,6 @@ from engine_ref.memory.accounting import MemoryUsage
 from engine_ref.utils import format_bytes
 
 ENGINE_PHASES = ("plugins", "config", "executor", "kv_cache", "ready")
-WORKER_PHASES = ("init_device", "load_model", "profile_run", "initialize_cache")
 
 
 class PhaseTimer:

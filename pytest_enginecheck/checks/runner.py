@@ -13,7 +13,7 @@ from typing import Any
 
 from engine_ref.isolation import ProcessCrashedError, ProcessTimeoutError, RemoteTraceback, run_isolated, tail
 
-from pytest_enginecheck.checks import CHECK_MODULES, CheckContext, CheckFailure, CheckResult, CheckSkip
+from pytest_enginecheck.checks import CHECK_MODULES, TP_CHECKS, CheckContext, CheckFailure, CheckResult, CheckSkip
 
 
 def subject(ctx: CheckContext) -> str:
@@ -36,8 +36,8 @@ def run_check(ctx: CheckContext) -> CheckResult:
     start = time.perf_counter()
 
     def result(outcome: str, message: str = "", detail: dict[str, Any] | None = None) -> CheckResult:
-        return CheckResult(ctx.architecture, ctx.check if ctx.check not in ("load", "budget") else
-                           f"{ctx.check}[tp={ctx.tp}]", outcome, time.perf_counter() - start, message, detail or {})
+        name = f"{ctx.check}[tp={ctx.tp}]" if ctx.check in TP_CHECKS else ctx.check
+        return CheckResult(ctx.architecture, name, outcome, time.perf_counter() - start, message, detail or {})
 
     try:
         detail = run_isolated(_run_in_child, ctx, timeout=ctx.timeout, name=f"enginecheck {ctx.check} {ctx.architecture}")
