@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "engine_ref.entrypoints.llm",
-    "EngineArgs": "engine_ref.config",
+    "EngineArgs": "engine_ref.engine.arg_utils",
     "EngineConfig": "engine_ref.config",
     "EngineCore": "engine_ref.engine.core",
     "StartupReport": "engine_ref.engine.report",

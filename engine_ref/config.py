@@ -1,12 +1,12 @@
-"""Engine configuration: EngineArgs (what users pass) -> EngineConfig (validated, what workers get).
+"""Engine configuration: the validated EngineConfig workers get, and its sub-configs.
 
-Every check raises ConfigError naming the field, the bad value and the fix. Nothing here imports
-torch at module level or touches a device.
+EngineArgs (engine/arg_utils.py) builds it from what users pass. Every check raises ConfigError
+naming the field, the bad value and the fix. Nothing here imports torch at module level or touches
+a device.
 """
 
 from __future__ import annotations
 
-import difflib
 import json
 from dataclasses import dataclass, field
 from collections.abc import Mapping
@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine_ref import envs
-from engine_ref.errors import ConfigError, MissingConfigField, UnknownArchitectureError
+from engine_ref.errors import ConfigError, MissingConfigField
 from engine_ref.utils import parse_size
 
 if TYPE_CHECKING:
     import torch
 
-    from engine_ref.model_executor.models.registry import ModelInfo, _ModelRegistry
+    from engine_ref.model_executor.models.interfaces import ModelInfo
 
 DTYPES = {
     "float32": "float32", "float": "float32", "fp32": "float32",
@@ -335,71 +335,3 @@ def verify_tensor_parallel_size(model: ModelConfig, tp: int) -> None:
             f"tensor_parallel_size={tp} does not divide {' or '.join(uneven)} of {model.architecture}; "
             f"use one of {valid_tensor_parallel_sizes(model.hf_config)}."
         )
-
-
-@dataclass
-class EngineArgs:
-    """The flat arguments of LLM(...) and the CLI; ``create_engine_config()`` validates them."""
-
-    model: str
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    ready_timeout_s: float | None = None
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    load_format: str = "safetensors"
-    device: str = "cpu"
-    device_memory: str | int | None = None
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 64
-
-    def create_engine_config(self, registry: _ModelRegistry | None = None,
-                             inspect_in_subprocess: bool = True) -> EngineConfig:
-        """Validate every field, resolve the architecture through the registry, return EngineConfig.
-
-        The model class is inspected in a subprocess (the registry's cached inspection), or in this
-        process with ``inspect_in_subprocess=False`` when the caller imports the model anyway.
-        """
-        from engine_ref.model_executor.models.interfaces import ModelInfo
-        from engine_ref.model_executor.models.registry import ModelRegistry
-
-        registry = registry or ModelRegistry
-        model_config = ModelConfig(self.model, self.dtype, self.max_model_len, self.seed)
-        arch = model_config.architecture
-        if arch not in registry.get_supported_archs():
-            raise unknown_architecture_error(arch, registry.get_supported_archs())
-        parallel_config = ParallelConfig(
-            self.tensor_parallel_size, self.distributed_executor_backend, self.ready_timeout_s
-        )
-        config = EngineConfig(
-            model_config=model_config,
-            parallel_config=parallel_config,
-            cache_config=CacheConfig(self.block_size, self.gpu_memory_utilization, self.num_gpu_blocks_override),
-            load_config=LoadConfig(self.load_format),
-            device_config=DeviceConfig(self.device, self.device_memory),
-            scheduler_config=SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs),
-        )
-        if inspect_in_subprocess:
-            info = registry.inspect_model_cls(arch)
-        else:
-            info = ModelInfo.from_model_cls(arch, registry.resolve_model_cls(arch))
-        if parallel_config.tensor_parallel_size > 1 and not info.supports_tp:
-            raise ConfigError(
-                f"{arch} does not support tensor parallelism; use tensor_parallel_size=1."
-            )
-        config.model_info = info
-        return config
-
-
-def unknown_architecture_error(arch: str, supported: list[str]) -> UnknownArchitectureError:
-    """The error for an architecture no registry entry matches, listing the nearest names."""
-    near = difflib.get_close_matches(arch, supported, n=3, cutoff=0.5)
-    hint = f" Did you mean {', '.join(near)}?" if near else ""
-    return UnknownArchitectureError(
-        f"Architecture {arch!r} is not registered.{hint} Registered: {', '.join(sorted(supported))}. "
-        f"Register an out-of-tree model with ModelRegistry.register_model({arch!r}, 'module:Class')."
-    )

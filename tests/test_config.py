@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_ref.config import CacheConfig, EngineArgs, EngineConfig
+from engine_ref.config import CacheConfig, EngineConfig
+from engine_ref.engine.arg_utils import EngineArgs
 from engine_ref.errors import ConfigError, MissingConfigField, UnknownArchitectureError
 from engine_ref.model_executor.model_loader.checkpoint import example_config
 from engine_ref.utils import parse_size

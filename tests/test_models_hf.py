@@ -39,7 +39,7 @@ def model_pair(tiny_checkpoint: Callable[..., Path]) -> Callable[[str], ModelPai
     """``model_pair(arch)``: both models of an architecture, loaded once per module."""
     import transformers
 
-    from engine_ref.config import EngineArgs
+    from engine_ref.engine.arg_utils import EngineArgs
     from engine_ref.model_executor.model_loader.loaders import get_model_loader
 
     pairs: dict[str, ModelPair] = {}

@@ -9,7 +9,8 @@
 
 from __future__ import annotations
 
-from engine_ref.config import EngineArgs, EngineConfig
+from engine_ref.config import EngineConfig
+from engine_ref.engine.arg_utils import EngineArgs
 from engine_ref.engine.report import PhaseTimer, StartupReport
 from engine_ref.engine.scheduler import Request, Scheduler
 from engine_ref.errors import KVCacheTooSmallError, MemoryShortfall

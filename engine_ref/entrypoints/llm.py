@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from engine_ref.config import EngineArgs
+from engine_ref.engine.arg_utils import EngineArgs
 from engine_ref.engine.core import EngineCore
 from engine_ref.engine.report import StartupReport
 from engine_ref.engine.scheduler import Request

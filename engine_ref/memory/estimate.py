@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine_ref.config import EngineArgs, EngineConfig
+from engine_ref.config import EngineConfig
+from engine_ref.engine.arg_utils import EngineArgs
 from engine_ref.errors import ConfigError
 from engine_ref.memory.compare import EstimateComparison, MemoryDifference, compare_with_report
 from engine_ref.utils import format_bytes

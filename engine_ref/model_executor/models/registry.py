@@ -9,6 +9,7 @@ so a later run serves them without any subprocess until the model's file changes
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.machinery
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_ref import envs
-from engine_ref.errors import ModelInspectionError
+from engine_ref.errors import ModelInspectionError, UnknownArchitectureError
 from engine_ref.model_executor.models.interfaces import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,16 @@ def _find_spec_without_import(module_name: str) -> importlib.machinery.ModuleSpe
     return spec
 
 
+def unknown_architecture_error(arch: str, supported: list[str]) -> UnknownArchitectureError:
+    """The error for an architecture no registry entry matches, listing the nearest names."""
+    near = difflib.get_close_matches(arch, supported, n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(near)}?" if near else ""
+    return UnknownArchitectureError(
+        f"Architecture {arch!r} is not registered.{hint} Registered: {', '.join(sorted(supported))}. "
+        f"Register an out-of-tree model with ModelRegistry.register_model({arch!r}, 'module:Class')."
+    )
+
+
 def _inspect_in_subprocess(architecture: str, entry: RegisteredModel) -> ModelInfo | str:
     """Runs in the child: import the model class and derive its ModelInfo.
 
@@ -153,8 +164,6 @@ class _ModelRegistry:
         try:
             return self.models[architecture]
         except KeyError:
-            from engine_ref.config import unknown_architecture_error
-
             raise unknown_architecture_error(architecture, self.get_supported_archs()) from None
 
     def resolve_model_cls(self, architecture: str) -> type:
