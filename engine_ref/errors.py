@@ -21,6 +21,10 @@ class UnknownArchitectureError(ConfigError):
     """An architecture name that no registry entry matches."""
 
 
+class QuantizationError(ConfigError):
+    """A quantization method this torch build, architecture or layer cannot use, or a config it rejects."""
+
+
 class ModelInspectionError(EngineRefError):
     """Inspecting a model class in a subprocess failed; carries the child's own traceback."""
 

@@ -13,7 +13,7 @@ import copy
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
@@ -23,6 +23,9 @@ from engine_ref.distributed.parallel_state import tensor_parallel_state
 from engine_ref.errors import ConfigError
 from engine_ref.model_executor.model_loader.weight_utils import expected_checkpoint_tensors
 from engine_ref.model_executor.models.registry import ModelRegistry, _ModelRegistry
+
+if TYPE_CHECKING:
+    from engine_ref.model_executor.layers.quantization.base_config import QuantizationConfig
 
 
 def example_config(architecture: str, registry: _ModelRegistry = ModelRegistry) -> dict[str, Any]:
@@ -45,12 +48,16 @@ def _random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator
     return torch.randn(shape, generator=generator) / math.sqrt(fan_in)
 
 
-def expected_tensors(hf_config: dict[str, Any], architecture: str,
-                     registry: _ModelRegistry = ModelRegistry) -> dict[str, tuple[int, ...]]:
-    """Every checkpoint tensor the model loads, with its full shape (built on the meta device)."""
+def expected_tensors(hf_config: dict[str, Any], architecture: str, registry: _ModelRegistry = ModelRegistry,
+                     quant_config: QuantizationConfig | None = None) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor the model loads, with its full shape (built on the meta device).
+
+    With a pre-quantized ``quant_config``, its scales too (``...weight_scale``).
+    """
     model_cls = registry.resolve_model_cls(architecture)
+    kwargs = {} if quant_config is None else {"quant_config": quant_config}
     with tensor_parallel_state(0, 1), torch.device("meta"):
-        model = model_cls(HFConfig(json.loads(json.dumps(hf_config), object_hook=HFConfig)))
+        model = model_cls(HFConfig(json.loads(json.dumps(hf_config), object_hook=HFConfig)), **kwargs)
     return expected_checkpoint_tensors(model, model.weights_mapper)
 
 

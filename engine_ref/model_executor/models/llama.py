@@ -7,7 +7,7 @@ and the causal LM's ``decoder_layer_cls`` and ``make_weights_mapper``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from engine_ref.model_executor.model_loader.weight_utils import (
 )
 from engine_ref.model_executor.models.interfaces import SupportsLoRA
 
+if TYPE_CHECKING:
+    from engine_ref.model_executor.layers.quantization.base_config import QuantizationConfig
+
 STACKED_PARAMS_MAPPING = (
     (".qkv_proj", ".q_proj", "q"),
     (".qkv_proj", ".k_proj", "k"),
@@ -42,12 +45,14 @@ STACKED_PARAMS_MAPPING = (
 class LlamaMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); gate and up are one column-parallel matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False
-                 ) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         check_gated_silu(hidden_act)
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias,
+                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, quant_config=quant_config,
+                                           prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,14 +62,17 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     """qkv projection, optional per-head q/k RMSNorm, rotary embedding, paged attention, o projection."""
 
-    def __init__(self, config: HFConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: HFConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         hidden_size = config.hidden_size
         total_heads = config.num_attention_heads
         total_kv_heads = config.get("num_key_value_heads") or total_heads
         self.head_dim = config.get("head_dim") or hidden_size // total_heads
-        self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden_size, bias=o_bias)
+        self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias,
+                                          quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden_size, bias=o_bias,
+                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -90,14 +98,18 @@ class LlamaDecoderLayer(nn.Module):
     o_bias: ClassVar[bool | None] = None
     qk_norm: ClassVar[bool] = False
 
-    def __init__(self, config: HFConfig, layer_idx: int) -> None:
+    def __init__(self, config: HFConfig, layer_idx: int, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
+        self.quant_config, self.prefix = quant_config, prefix  # read by make_mlp
         bias = config.get("attention_bias", False)
         self.self_attn = LlamaAttention(
             config,
             qkv_bias=bias if self.qkv_bias is None else self.qkv_bias,
             o_bias=bias if self.o_bias is None else self.o_bias,
             qk_norm=self.qk_norm,
+            quant_config=quant_config,
+            prefix=f"{prefix}.self_attn",
         )
         self.mlp = self.make_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -105,7 +117,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def make_mlp(self, config: HFConfig, layer_idx: int) -> nn.Module:
         return LlamaMLP(config.hidden_size, config.intermediate_size, config.get("hidden_act", "silu"),
-                        bias=config.get("mlp_bias", False))
+                        bias=config.get("mlp_bias", False), quant_config=self.quant_config, prefix=f"{self.prefix}.mlp")
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,10 +133,12 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm: token ids in, hidden states out."""
 
-    def __init__(self, config: HFConfig, decoder_layer_cls: type[LlamaDecoderLayer]) -> None:
+    def __init__(self, config: HFConfig, decoder_layer_cls: type[LlamaDecoderLayer],
+                 quant_config: QuantizationConfig | None = None, prefix: str = "model") -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(decoder_layer_cls(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(decoder_layer_cls(config, i, quant_config, f"{prefix}.layers.{i}")
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -150,11 +164,11 @@ class LlamaForCausalLM(nn.Module, SupportsLoRA):
         "bos_token_id": 1, "eos_token_id": 2,
     }
 
-    def __init__(self, config: HFConfig) -> None:
+    def __init__(self, config: HFConfig, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = config
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-        self.model = LlamaModel(config, self.decoder_layer_cls)
+        self.model = LlamaModel(config, self.decoder_layer_cls, quant_config)
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:

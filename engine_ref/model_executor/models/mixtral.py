@@ -18,7 +18,8 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
     def make_mlp(self, config: HFConfig, layer_idx: int) -> nn.Module:
         check_gated_silu(config.get("hidden_act", "silu"))
         return SparseMoeBlock(config.hidden_size, config.num_local_experts, config.num_experts_per_tok,
-                        config.intermediate_size, renormalize=True)
+                              config.intermediate_size, renormalize=True, quant_config=self.quant_config,
+                              prefix=f"{self.prefix}.mlp")
 
 
 class MixtralForCausalLM(LlamaForCausalLM, MixtureOfExperts):

@@ -27,10 +27,12 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
 
     def make_mlp(self, config: HFConfig, layer_idx: int) -> nn.Module:
         if not is_moe_layer(config, layer_idx):
-            return LlamaMLP(config.hidden_size, config.intermediate_size, config.get("hidden_act", "silu"))
+            return LlamaMLP(config.hidden_size, config.intermediate_size, config.get("hidden_act", "silu"),
+                            quant_config=self.quant_config, prefix=f"{self.prefix}.mlp")
         check_gated_silu(config.get("hidden_act", "silu"))
         return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
-                        config.moe_intermediate_size, renormalize=bool(config.get("norm_topk_prob", True)))
+                              config.moe_intermediate_size, renormalize=bool(config.get("norm_topk_prob", True)),
+                              quant_config=self.quant_config, prefix=f"{self.prefix}.mlp")
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM, MixtureOfExperts):
