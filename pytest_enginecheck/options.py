@@ -13,7 +13,8 @@ HELP = {
     "target": "engine to check: 'engine_ref' (bundled zoo), 'vllm', or 'module:attribute' naming a mapping "
               "of architecture -> 'module:Class' or an engine_ref ModelRegistry",
     "checks": f"comma-separated checks to run (default: all that apply to the target): {','.join(CHECKS)}",
-    "tp": "comma-separated tensor parallel sizes for the load check (default: 1,2)",
+    "tp": "comma-separated tensor parallel sizes for the load and budget checks; startup uses the largest that "
+          "splits the model (default: 1,2)",
     "timeout": "seconds each check may take before its process tree is killed (default: 120)",
     "json": "write the results as JSON to this path",
     "strict": "also fail an import that calls torch.cuda.is_available()/device_count() (cuInit on GPU hosts)",

@@ -13,9 +13,8 @@ from typing import Any
 
 import pytest
 
-from pytest_enginecheck.checks import CheckContext
+from pytest_enginecheck.checks import CHECKS, TP_CHECKS, CheckContext
 from pytest_enginecheck.items import RESULT_PROPERTY, EngineCheckCollector
-from pytest_enginecheck.checks import CHECKS
 from pytest_enginecheck.options import Settings
 from pytest_enginecheck.report import summary_table, write_json
 from pytest_enginecheck.targets import ArchEntry, TargetDescription
@@ -31,47 +30,42 @@ class EngineCheckSession:
 
     def __init__(self, config: pytest.Config, settings: Settings) -> None:
         from engine_ref.isolation import add_preload_modules
-
         from pytest_enginecheck.targets import TARGET_PRELOAD
 
         add_preload_modules(*CHILD_MODULES, *TARGET_PRELOAD.get(settings.target, ()))
         self.config = config
         self.settings = settings
         self.results: list[dict[str, Any]] = []
-        self._description: TargetDescription | None = None
         self._workdir: str | None = None
 
     @property
     def is_xdist_worker(self) -> bool:
         return hasattr(self.config, "workerinput")
 
-    @property
-    def description(self) -> TargetDescription:
+    def describe_target(self) -> TargetDescription:
         """The target's architectures, resolved in a child process (the pytest process stays light)."""
-        if self._description is None:
-            from engine_ref.isolation import run_isolated
-            from pytest_enginecheck.targets import TargetError, describe
+        from engine_ref.isolation import run_isolated
+        from pytest_enginecheck.targets import TargetError, describe
 
-            try:
-                self._description = run_isolated(describe, self.settings.target, timeout=DESCRIBE_TIMEOUT_S,
-                                                  name="enginecheck describe target")
-            except TargetError as e:
-                raise pytest.UsageError(str(e)) from None
-            except Exception as e:  # noqa: BLE001 - the target's own failure, told plainly
-                raise pytest.UsageError(
-                    f"--enginecheck-target={self.settings.target!r} could not be loaded: {type(e).__name__}: {e}"
-                ) from None
-        return self._description
+        try:
+            return run_isolated(describe, self.settings.target, timeout=DESCRIBE_TIMEOUT_S,
+                                name="enginecheck describe target")
+        except TargetError as e:
+            raise pytest.UsageError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - the target's own failure, told plainly
+            raise pytest.UsageError(
+                f"--enginecheck-target={self.settings.target!r} could not be loaded: {type(e).__name__}: {e}"
+            ) from None
 
-    @property
-    def checks(self) -> tuple[str, ...]:
-        applicable = self.description.checks
+    def select_checks(self, description: TargetDescription) -> tuple[str, ...]:
+        """The checks to run, in CHECKS order: those asked for, or all that apply to the target."""
+        applicable = description.checks
         if self.settings.checks is None:
             return tuple(c for c in CHECKS if c in applicable)
         refused = [c for c in self.settings.checks if c not in applicable]
         if refused:
             raise pytest.UsageError(
-                f"--enginecheck-checks: {', '.join(refused)} cannot run on a {self.description.kind} target "
+                f"--enginecheck-checks: {', '.join(refused)} cannot run on a {description.kind} target "
                 f"(only {', '.join(applicable)}); point --enginecheck-target at an engine_ref ModelRegistry.")
         return tuple(c for c in CHECKS if c in self.settings.checks)
 
@@ -81,24 +75,29 @@ class EngineCheckSession:
             self._workdir = tempfile.mkdtemp(prefix="enginecheck-")
         return self._workdir
 
-    def context(self, check: str, entry: ArchEntry) -> CheckContext:
+    def contexts(self, entry: ArchEntry, checks: tuple[str, ...]) -> list[CheckContext]:
+        """One context per item of ``entry``: per check, and per TP size for TP_CHECKS."""
         s = self.settings
-        return CheckContext(check=check, spec=s.target, architecture=entry.architecture, module=entry.module,
-                            class_name=entry.class_name, workdir=self.workdir, tp_sizes=s.tp_sizes,
-                            strict=s.strict, device_memory=s.device_memory, timeout=s.timeout)
+        return [CheckContext(check=check, spec=s.target, architecture=entry.architecture, module=entry.module,
+                             class_name=entry.class_name, workdir=self.workdir, tp=tp, tp_sizes=s.tp_sizes,
+                             strict=s.strict, device_memory=s.device_memory, timeout=s.timeout)
+                for check in checks for tp in (s.tp_sizes if check in TP_CHECKS else (1,))]
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
                                       items: list[pytest.Item]) -> None:
         """Add the check items before -k / -m selection runs."""
-        self.checks  # resolves the target now: a bad target is a usage error, not a collection error
-        collector = EngineCheckCollector.from_parent(session, name="enginecheck", nodeid="enginecheck", manager=self)
+        description = self.describe_target()  # now: a bad target is a usage error, not a collection error
+        checks = self.select_checks(description)
+        contexts = {entry.architecture: self.contexts(entry, checks) for entry in description.entries}
+        collector = EngineCheckCollector.from_parent(session, name="enginecheck", nodeid="enginecheck",
+                                                     contexts=contexts)
         items.extend(session.genitems(collector))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Keep each check's result (reports from xdist workers arrive here on the controller too)."""
         for name, value in report.user_properties:
-            if name == RESULT_PROPERTY and report.when == "call":
+            if name == RESULT_PROPERTY and report.when == "call" and isinstance(value, dict):
                 self.results.append(value)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:

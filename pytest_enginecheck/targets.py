@@ -122,14 +122,17 @@ def engine_ref_registry(spec: str) -> Any:
     """The engine_ref registry a spec names, with its entries also in the global ModelRegistry.
 
     Engines resolve architectures through the global registry, so a target registry's
-    registrations are copied there (in the check process only).
+    registrations are copied there (in the check process only: call it once per process).
     """
+    return into_global_registry(*resolve(spec))
+
+
+def into_global_registry(kind: str, registry: Any) -> Any:
+    """engine_ref's global ModelRegistry, holding the entries of a resolved engine_ref or mapping target."""
     from engine_ref.model_executor.models.registry import ModelRegistry, RegisteredModel
 
-    kind, registry = resolve(spec)
     if kind == "mapping":
         ModelRegistry.models.update({arch: RegisteredModel.parse(value) for arch, value in registry.items()})
-        return ModelRegistry
-    if registry is not ModelRegistry:
+    elif registry is not ModelRegistry:
         ModelRegistry.models.update(registry.models)
     return ModelRegistry

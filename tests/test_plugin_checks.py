@@ -279,6 +279,21 @@ def test_load_catches_wrong_sharding_and_startup_catches_leaks(zoo: pytest.Pytes
     )])
 
 
+def test_tp_checks_skip_when_no_tp_size_splits_the_model(pytester: pytest.Pytester) -> None:
+    """Only TP sizes the model cannot split: load and startup skip, saying why, instead of failing."""
+    result, results = run_enginecheck(pytester, "--enginecheck-checks=load,startup", "--enginecheck-tp=3,5",
+                                      "-k", "LlamaForCausalLM")
+    result.assert_outcomes(skipped=3, deselected=(len(BUNDLED) - 1) * 3)
+    assert {key: r["outcome"] for key, r in results.items()} == {
+        ("LlamaForCausalLM", check): "skipped" for check in ("load[tp=3]", "load[tp=5]", "startup")}
+    startup = results[("LlamaForCausalLM", "startup")]["message"]
+    assert startup.startswith("no tensor_parallel_size of --enginecheck-tp=3,5 splits LlamaForCausalLM: "
+                              "tensor_parallel_size=5 does not divide num_attention_heads=4"), startup
+    assert "tensor_parallel_size=3 does not divide num_attention_heads=4" in startup
+    assert results[("LlamaForCausalLM", "load[tp=3]")]["message"].startswith("tensor_parallel_size=3 does not divide")
+    result.stdout.fnmatch_lines(["*= enginecheck summary =*", "1 architectures: 0 passed, 0 failed, 3 skipped"])
+
+
 NORMAL_TEST = "def test_project_unit():\n    assert True\n"
 
 

@@ -2,7 +2,8 @@
 
 A check is a function ``run(ctx: CheckContext) -> dict`` executed in the child: it returns the
 result's ``detail`` when the architecture passes, raises CheckFailure with plain sentences (and
-a detail dict) when it fails, or CheckSkip when the check does not apply.
+a detail dict) when it fails, or CheckSkip when the check does not apply. The child turns that
+into the one CheckResult it sends back (``runner.run_in_child``); nothing else crosses over.
 """
 
 from __future__ import annotations
@@ -38,8 +39,14 @@ class CheckContext:
     timeout: float = 120.0
 
 
+def item_name(ctx: CheckContext) -> str:
+    """The item's name and its result's ``check``: ``load[tp=2]`` for a TP check, else the check."""
+    return f"{ctx.check}[tp={ctx.tp}]" if ctx.check in TP_CHECKS else ctx.check
+
+
 class CheckFailure(Exception):
-    """The architecture failed the check; ``str(self)`` is what the user reads."""
+    """The architecture failed the check (raised by the check in its child, and by its item); ``str(self)`` is
+    what the user reads."""
 
     def __init__(self, message: str, detail: dict[str, Any] | None = None) -> None:
         super().__init__(message, detail)
@@ -54,17 +61,23 @@ class CheckSkip(Exception):
     """The check does not apply to this architecture (the message says why)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckResult:
-    """One item's outcome, as it appears in the summary table and the JSON report."""
+    """One item's outcome: what the child sends back, the item reports, the table and JSON show."""
 
     arch: str
-    check: str
+    check: str  # the item name (see item_name)
     outcome: str  # "passed" | "failed" | "skipped"
     duration_s: float
     message: str = ""
     detail: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
+        """The result as a JSON object (the user property of the item and an entry of the JSON report)."""
         return {"arch": self.arch, "check": self.check, "outcome": self.outcome,
                 "duration_s": round(self.duration_s, 4), "message": self.message, "detail": self.detail}
+
+    def longrepr(self) -> str:
+        """What a failure reads as: its sentences, then the child's traceback where one helps."""
+        trace = self.detail.get("traceback")
+        return f"{self.message}\n\n{trace}" if trace and self.detail.get("kind") != "cuda" else self.message

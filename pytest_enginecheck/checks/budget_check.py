@@ -35,11 +35,12 @@ def _full_size(ctx: CheckContext, registry: Any) -> dict[str, Any]:
 
 
 def run(ctx: CheckContext) -> dict[str, Any]:
-    from engine_ref.memory.estimate import compare_with_report, estimate_memory
+    from engine_ref.memory.compare import compare_with_report
+    from engine_ref.memory.estimate import estimate_memory
     from engine_ref.utils import parse_size
 
     registry = engine_ref_registry(ctx.spec)
-    ckpt = tiny_checkpoint(ctx)
+    ckpt = tiny_checkpoint(ctx, registry)
     verify_tp(ckpt, ctx.tp)
     with start_engine(ctx, ckpt, ctx.tp) as llm:
         report = llm.startup_report

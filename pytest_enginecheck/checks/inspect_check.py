@@ -10,11 +10,10 @@ from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure
-from pytest_enginecheck.targets import engine_ref_registry, resolve
+from pytest_enginecheck.targets import into_global_registry, resolve
 
 
-def _inspect_vllm(ctx: CheckContext) -> dict[str, Any]:
-    _, registry = resolve("vllm")
+def _inspect_vllm(ctx: CheckContext, registry: Any) -> dict[str, Any]:
     try:
         info = registry.models[ctx.architecture].inspect_model_cls()
     except Exception as e:  # noqa: BLE001 - vLLM's own error, verbatim
@@ -25,10 +24,10 @@ def _inspect_vllm(ctx: CheckContext) -> dict[str, Any]:
 def run(ctx: CheckContext) -> dict[str, Any]:
     from engine_ref.errors import EngineRefError
 
-    kind, _ = resolve(ctx.spec)
+    kind, target = resolve(ctx.spec)
     if kind == "vllm":
-        return _inspect_vllm(ctx)
-    registry = engine_ref_registry(ctx.spec)
+        return _inspect_vllm(ctx, target)
+    registry = into_global_registry(kind, target)
     try:
         info = registry.inspect_model_cls(ctx.architecture)
     except EngineRefError as e:

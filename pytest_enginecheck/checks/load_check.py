@@ -6,10 +6,11 @@ from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure
 from pytest_enginecheck.checks.tiny_engine import greedy, tiny_checkpoint, verify_tp
+from pytest_enginecheck.targets import engine_ref_registry
 
 
 def run(ctx: CheckContext) -> dict[str, Any]:
-    ckpt = tiny_checkpoint(ctx)
+    ckpt = tiny_checkpoint(ctx, engine_ref_registry(ctx.spec))
     verify_tp(ckpt, ctx.tp)
     outputs, report = greedy(ctx, ckpt, ctx.tp)
     detail: dict[str, Any] = {

@@ -1,4 +1,5 @@
-"""startup: full EngineCore startup and shutdown at the largest TP size; nothing is left behind."""
+"""startup: full EngineCore startup and shutdown at the largest TP size that splits the model; nothing is left
+behind. When no TP size splits it, the check is skipped."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
 from pytest_enginecheck.checks.tiny_engine import start_engine, tiny_checkpoint, verify_tp
 from pytest_enginecheck.leaks import ResourceSnapshot, wait_for_no_leaks
+from pytest_enginecheck.targets import engine_ref_registry
 
 
 def _watch_only_this_engine(workdir: str) -> None:
@@ -29,13 +31,17 @@ def _watch_only_this_engine(workdir: str) -> None:
 
 def run(ctx: CheckContext) -> dict[str, Any]:
     _watch_only_this_engine(ctx.workdir)
-    ckpt = tiny_checkpoint(ctx)
+    ckpt = tiny_checkpoint(ctx, engine_ref_registry(ctx.spec))
+    reasons = []
     for tp in sorted(ctx.tp_sizes, reverse=True):
         try:
             verify_tp(ckpt, tp)
             break
-        except CheckSkip:
-            continue
+        except CheckSkip as e:
+            reasons.append(str(e))
+    else:
+        raise CheckSkip(f"no tensor_parallel_size of --enginecheck-tp={','.join(map(str, ctx.tp_sizes))} splits "
+                        f"{ctx.architecture}: " + " ".join(reasons))
     before = ResourceSnapshot.take()
     with start_engine(ctx, ckpt, tp) as llm:
         report = llm.startup_report

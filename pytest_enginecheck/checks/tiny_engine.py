@@ -9,19 +9,20 @@ from pathlib import Path
 from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
-from pytest_enginecheck.targets import engine_ref_registry
 
 DEVICE_MEMORY = "512MiB"
 MAX_MODEL_LEN = 128
 MAX_TOKENS = 6
 
 
-def tiny_checkpoint(ctx: CheckContext) -> Path:
-    """The architecture's tiny checkpoint under the session's workdir, generated once (atomically)."""
+def tiny_checkpoint(ctx: CheckContext, registry: Any) -> Path:
+    """The architecture's tiny checkpoint under the session's workdir, generated once (atomically).
+
+    ``registry`` is the target's, from ``engine_ref_registry`` (resolved once per check process).
+    """
     from engine_ref.errors import ConfigError
     from engine_ref.model_executor.model_loader.checkpoint import make_checkpoint
 
-    registry = engine_ref_registry(ctx.spec)
     path = Path(ctx.workdir) / ctx.architecture
     if (path / "config.json").exists():
         return path
