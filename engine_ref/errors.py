@@ -46,17 +46,18 @@ class KVCacheTooSmallError(EngineRefError):
 
 @dataclass(frozen=True)
 class MemoryShortfall:
-    """One rank's needs when the engine did not fit: weights, activation peak, KV of one request."""
+    """One rank's needs: weights, buffers, activation peak, KV of one request of max_model_len."""
 
     rank: int
     weights: int
+    buffers: int
     activation_peak: int
     kv_cache: int
     capacity: int
 
     @property
     def total(self) -> int:
-        return self.weights + self.activation_peak + self.kv_cache
+        return self.weights + self.buffers + self.activation_peak + self.kv_cache
 
 
 class WorkerStartupError(EngineRefError):

@@ -23,8 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from engine_ref.model_executor.models.interfaces import REFERENCE_CONFIGS_DIR
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -33,9 +31,12 @@ from engine_ref import LLM
 from engine_ref.engine.report import StartupReport
 from engine_ref.entrypoints.cli import main
 from engine_ref.errors import ConfigError, KVCacheTooSmallError, MissingConfigField, UnknownArchitectureError
-from engine_ref.memory.estimate import JSON_KEYS, MemoryEstimate, compare_with_report, estimate_memory
+from engine_ref.memory.compare import compare_with_report
+from engine_ref.memory.estimate import estimate_memory
 from engine_ref.memory.fake import FakeRunError, fake_tensors
+from engine_ref.memory.result import JSON_KEYS, MemoryEstimate
 from engine_ref.model_executor.model_loader.checkpoint import example_config
+from engine_ref.model_executor.models.interfaces import REFERENCE_CONFIGS_DIR
 
 PUBLISHED = REFERENCE_CONFIGS_DIR
 # Sizes the model cards publish (transformers' count of the real checkpoints' config.json).
@@ -80,12 +81,12 @@ def parameter_count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())  # parameters() yields a tied tensor once
 
 
-def expected_rank_bytes(c: dict[str, Any], tp: int, itemsize: int) -> tuple[int, int]:
-    """(weight bytes, KV bytes per token) of one rank, from the sharding rules alone.
+def expected_rank_bytes(c: dict[str, Any], tp: int, itemsize: int) -> tuple[int, int, int]:
+    """(weight bytes, buffer bytes, KV bytes per token) of one rank, from the sharding rules alone.
 
     Column/row-parallel matrices split by tp; embedding and LM head split by vocabulary rows, padded
     to a multiple of tp; KV heads replicated when fewer than tp; norms, routers and rotary buffers
-    replicated. Each layer keeps rotary inv_freq (head_dim / 2 float32) as a buffer.
+    replicated. All layers share one rotary inv_freq (head_dim / 2 float32) buffer.
     """
     hidden, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
     heads = c["num_attention_heads"]
@@ -108,8 +109,8 @@ def expected_rank_bytes(c: dict[str, Any], tp: int, itemsize: int) -> tuple[int,
     vocab_rows = -(-vocab // tp)
     heads_and_embedding = vocab_rows * hidden * (1 if c.get("tie_word_embeddings") else 2)
     params = heads_and_embedding + layers * (attention + mlp + 2 * hidden) + hidden
-    buffers = layers * (head_dim // 2) * 4
-    return params * itemsize + buffers, 2 * layers * kv_rank * head_dim * itemsize
+    buffers = (head_dim // 2) * 4
+    return params * itemsize, buffers, 2 * layers * kv_rank * head_dim * itemsize
 
 
 # -- exact against transformers ------------------------------------------------------------------
@@ -154,13 +155,15 @@ def test_llava_counts_what_it_uses_transformers_also_counts_the_unused_vision_la
 def test_weight_and_kv_bytes_per_rank_follow_the_sharding(name: str) -> None:
     config = json.loads(published(name).read_text())
     estimate = published_estimate(name)
-    weights, kv_per_token = expected_rank_bytes(config, 2, itemsize=2)
+    weights, buffers, kv_per_token = expected_rank_bytes(config, 2, itemsize=2)
     assert estimate.weight_bytes_per_rank == [weights, weights]
+    assert estimate.buffer_bytes_per_rank == [buffers, buffers]
     assert estimate.kv_cache_bytes_per_token_per_rank == [kv_per_token, kv_per_token]
-    whole, _ = expected_rank_bytes(config, 1, itemsize=2)
-    assert estimate.weight_bytes == whole
+    whole, whole_buffers, _ = expected_rank_bytes(config, 1, itemsize=2)
+    assert (estimate.weight_bytes, estimate.buffer_bytes) == (whole, whole_buffers)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    assert estimate.weight_bytes == estimate.num_parameters * 2 + config["num_hidden_layers"] * head_dim // 2 * 4
+    assert estimate.weight_bytes == estimate.num_parameters * 2
+    assert estimate.buffer_bytes == head_dim // 2 * 4  # one rotary table, shared by every layer
 
 
 def test_vocabulary_padding_and_kv_head_replication() -> None:
@@ -168,8 +171,9 @@ def test_vocabulary_padding_and_kv_head_replication() -> None:
     4 ranks: each rank holds one, each head on two ranks."""
     config = {**example_config("LlamaForCausalLM"), "vocab_size": 257}
     estimate = estimate_memory(config, device_memory="64MiB", tensor_parallel_size=4, max_model_len=64)
-    weights, kv_per_token = expected_rank_bytes(config, 4, itemsize=4)
+    weights, buffers, kv_per_token = expected_rank_bytes(config, 4, itemsize=4)
     assert estimate.weight_bytes_per_rank == [weights] * 4
+    assert estimate.buffer_bytes_per_rank == [buffers] * 4
     assert estimate.kv_cache_bytes_per_token_per_rank == [kv_per_token] * 4
     assert kv_per_token == 2 * 2 * 1 * 16 * 4
 
@@ -207,8 +211,9 @@ def test_random_configs_exact_against_transformers_and_sharding(draw: dict[str, 
     with torch.device("meta"):
         hf = getattr(transformers, config["architectures"][0])(hf_config)
     assert estimate.num_parameters == parameter_count(hf)
-    weights, kv_per_token = expected_rank_bytes(config, tp, itemsize=4)
+    weights, buffers, kv_per_token = expected_rank_bytes(config, tp, itemsize=4)
     assert estimate.weight_bytes_per_rank == [weights] * tp
+    assert estimate.buffer_bytes_per_rank == [buffers] * tp
     assert estimate.kv_cache_bytes_per_token_per_rank == [kv_per_token] * tp
 
 
@@ -232,6 +237,7 @@ def assert_equals_measurement(estimate: MemoryEstimate, report: StartupReport) -
     for worker in report.workers:
         rank, measured = worker.rank, worker.memory
         assert measured.weights == estimate.weight_bytes_per_rank[rank]
+        assert measured.buffers == estimate.buffer_bytes_per_rank[rank] > 0
         late = measured.activation_peak - estimate.activation_peak_bytes_per_rank[rank]
         assert 0 <= late <= estimate.all_reduce_bytes, (rank, late)
         per_block = estimate.kv_cache_bytes_per_token_per_rank[rank] * estimate.block_size
@@ -282,11 +288,12 @@ def test_compare_with_report_finds_differences_and_refuses_other_arguments(
         report = llm.startup_report
     estimate = estimate_memory(model, **TINY)
     off = dataclasses.replace(estimate, weight_bytes_per_rank=[estimate.weight_bytes_per_rank[0] + 2],
+                              buffer_bytes_per_rank=[estimate.buffer_bytes_per_rank[0] + 1],
                               activation_peak_bytes_per_rank=[estimate.activation_peak_bytes_per_rank[0] - 100])
     comparison = compare_with_report(off, report)  # TP=1: no tolerance
     assert not comparison.ok
     assert [(d.category, d.measured - d.estimated) for d in comparison.mismatches] == [
-        ("weights", -2), ("activation_peak", 100)]
+        ("weights", -2), ("buffers", -1), ("activation_peak", 100)]
     assert "rank 0 weights: estimated" in comparison.describe()
     assert compare_with_report(off, report, activation_atol=100).mismatches[0].category == "weights"
     other = estimate_memory(model, **{**TINY, "max_model_len": 128})
@@ -490,6 +497,7 @@ def test_cli_json_has_exactly_the_documented_keys(capsys: pytest.CaptureFixture[
     assert tuple(data) == JSON_KEYS
     assert data["num_parameters"] == PUBLISHED_PARAMETERS["Qwen2-0.5B"]
     assert len(data["weight_bytes_per_rank"]) == len(data["activation_peak_bytes_per_rank"]) == 2
+    assert len(data["buffer_bytes_per_rank"]) == 2 and data["buffer_bytes"] > 0
     assert data["fits"] is True and data["reason"] is None and data["max_model_len_estimate"] == 1024
 
 

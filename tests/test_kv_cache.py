@@ -15,12 +15,15 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from engine_ref import LLM
 from engine_ref.errors import KVCacheTooSmallError
 from engine_ref.kv_cache.block_pool import BlockPool
-from engine_ref.kv_cache.spec import (
-    FullAttentionSpec,
-    bytes_per_block,
+from engine_ref.kv_cache.sizing import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    KVCacheSizing,
     check_enough_kv_cache_memory,
-    get_num_blocks,
+    default_max_num_batched_tokens,
+    size_kv_cache,
 )
+from engine_ref.kv_cache.spec import FullAttentionSpec, bytes_per_block
+from engine_ref.memory.accounting import MemoryUsage
 from engine_ref.utils import format_bytes
 
 LLAMA = "LlamaForCausalLM"
@@ -133,15 +136,74 @@ specs_strategy = st.builds(
 )
 
 
+def one_rank(available: int) -> list[MemoryUsage]:
+    """One rank that, at gpu_memory_utilization 1.0, has ``available`` bytes left for the KV cache."""
+    return [MemoryUsage(capacity=2**21 + available, weights=60, buffers=40, activation_peak=2**21 - 100)]
+
+
+def sized(specs: dict[str, FullAttentionSpec], available: int, max_model_len: int = 1,
+          num_blocks_override: int | None = None) -> tuple[KVCacheSizing, list[MemoryUsage]]:
+    memory = one_rank(available)
+    sizing = size_kv_cache(memory, gpu_memory_utilization=1.0, bytes_per_block=bytes_per_block(specs),
+                           block_size=next(iter(specs.values())).block_size, max_model_len=max_model_len,
+                           num_blocks_override=num_blocks_override)
+    return sizing, memory
+
+
 @given(specs_strategy, st.integers(-(2**20), 2**34))
 def test_num_blocks_matches_the_nano_vllm_formula(specs: dict[str, FullAttentionSpec], available: int) -> None:
     spec = next(iter(specs.values()))
     block_bytes = nano_vllm_block_bytes(len(specs), spec.block_size, spec.num_kv_heads, spec.head_size,
                                         spec.dtype_bytes)
     assert bytes_per_block(specs) == block_bytes
-    num_blocks = get_num_blocks(specs, available)
+    sizing, _ = sized(specs, available)
+    assert sizing.available_bytes == (available,)
+    num_blocks = sizing.num_blocks
     assert num_blocks >= 0
     assert num_blocks * block_bytes <= max(0, available) < (num_blocks + 1) * block_bytes
+
+
+@settings(max_examples=200)
+@given(specs_strategy, st.lists(st.tuples(st.integers(1, 2**34), st.integers(0, 2**33), st.integers(0, 2**20),
+                                          st.integers(0, 2**33)), min_size=1, max_size=4),
+       st.sampled_from([0.5, 0.9, 1.0]), st.integers(1, 2**20))
+def test_size_kv_cache_properties(specs: dict[str, FullAttentionSpec], ranks: list[tuple[int, int, int, int]],
+                                  utilization: float, max_model_len: int) -> None:
+    """Blocks fill the least memory any rank has left, and the largest max_model_len fits where one block more
+    would not; what a rank needs is what the sizing leaves it."""
+    memory = [MemoryUsage(capacity=c, weights=w, buffers=b, activation_peak=p) for c, w, b, p in ranks]
+    block_size = next(iter(specs.values())).block_size
+    block_bytes = bytes_per_block(specs)
+    sizing = size_kv_cache(memory, gpu_memory_utilization=utilization, bytes_per_block=block_bytes,
+                           block_size=block_size, max_model_len=max_model_len)
+    left = [int(m.capacity * utilization) - m.weights - m.buffers - m.activation_peak for m in memory]
+    assert list(sizing.available_bytes) == left
+    assert sizing.rank == left.index(min(left))
+    available = max(0, min(left))
+    assert sizing.num_blocks * block_bytes <= available < (sizing.num_blocks + 1) * block_bytes
+    largest = sizing.largest_max_model_len
+    assert largest == sizing.num_blocks * block_size
+    assert sizing.fits == (max_model_len <= largest)
+    assert sizing.slack_tokens >= 0 if sizing.fits else sizing.slack_tokens < 0
+    # the largest max_model_len fits in the blocks available; one token (so one block) more does not
+    if largest:
+        at_largest = size_kv_cache(memory, gpu_memory_utilization=utilization, bytes_per_block=block_bytes,
+                                   block_size=block_size, max_model_len=largest)
+        assert at_largest.fits and at_largest.request_bytes <= available
+    beyond = size_kv_cache(memory, gpu_memory_utilization=utilization, bytes_per_block=block_bytes,
+                           block_size=block_size, max_model_len=largest + 1)
+    assert not beyond.fits and beyond.request_bytes == (sizing.num_blocks + 1) * block_bytes > available
+    needs = [sizing.needs(rank, m) for rank, m in enumerate(memory)]
+    for m, n in zip(memory, needs, strict=True):
+        assert n.kv_cache == sizing.request_bytes == -(-max_model_len // block_size) * block_bytes
+        assert n.total == m.weights + m.buffers + m.activation_peak + sizing.request_bytes
+    # it fits exactly when what every rank needs is within its budget
+    assert sizing.fits == all(n.total <= budget for n, budget in zip(needs, sizing.budget_bytes, strict=True))
+
+
+def test_default_max_num_batched_tokens() -> None:
+    assert default_max_num_batched_tokens(64) == DEFAULT_MAX_NUM_BATCHED_TOKENS == 2048
+    assert default_max_num_batched_tokens(4096) == 4096
 
 
 @settings(max_examples=100)
@@ -151,20 +213,35 @@ def test_kv_cache_check_and_its_suggested_length(specs: dict[str, FullAttentionS
     """Passes iff one max_model_len request fits; otherwise the suggested length does fit."""
     block_size = next(iter(specs.values())).block_size
     available = num_blocks * bytes_per_block(specs)
+    sizing, memory = sized(specs, available, max_model_len)
+    assert sizing.num_blocks == num_blocks
     if num_blocks * block_size >= max_model_len:
-        check_enough_kv_cache_memory(specs, num_blocks, block_size, max_model_len, available)
+        check_enough_kv_cache_memory(sizing, memory)
         return
     with pytest.raises(KVCacheTooSmallError) as info:
-        check_enough_kv_cache_memory(specs, num_blocks, block_size, max_model_len, available)
+        check_enough_kv_cache_memory(sizing, memory)
     message = str(info.value)
     largest = num_blocks * block_size
-    assert f"max_model_len {max_model_len}," in message
-    assert f"the largest max_model_len that fits is {largest}." in message
     needed = -(-max_model_len // block_size) * bytes_per_block(specs)
-    assert f"{format_bytes(needed)} of KV cache is needed" in message
-    assert f"available {format_bytes(available)}" in message
+    if num_blocks == 0:  # nothing left: the error names the categories instead
+        assert "No memory is left for the KV cache on rank 0" in message
+    else:
+        assert f"max_model_len {max_model_len}," in message
+        assert f"the largest max_model_len that fits is {largest}." in message
+        assert f"{format_bytes(needed)} of KV cache is needed" in message
+        assert f"available {format_bytes(available)}" in message
+    assert info.value.shortfall == sizing.needs(0, memory[0])
+    assert info.value.shortfall.kv_cache == needed
     if largest:
-        check_enough_kv_cache_memory(specs, num_blocks, block_size, largest, available)
+        check_enough_kv_cache_memory(sized(specs, available, largest)[0], memory)
+
+
+def test_override_blocks_without_memory_left_still_say_how_many_fit() -> None:
+    specs = {"attn": FullAttentionSpec(16, 2, 16, 4)}
+    sizing, memory = sized(specs, -5, max_model_len=64, num_blocks_override=3)
+    assert sizing.num_blocks == 3
+    with pytest.raises(KVCacheTooSmallError, match="the largest max_model_len that fits is 48"):
+        check_enough_kv_cache_memory(sizing, memory)
 
 
 # -- through a real engine -------------------------------------------------------------------------
@@ -190,8 +267,9 @@ def test_engine_kv_cache_bytes_match_the_formula(dtype: str, itemsize: int, llam
     assert len(specs) == LLAMA_LAYERS
     assert bytes_per_block(specs) == block_bytes
     assert memory.kv_cache == report.num_gpu_blocks * block_bytes
-    budget = int(memory.capacity * 0.9) - memory.weights - memory.activation_peak
+    budget = int(memory.capacity * 0.9) - memory.weights - memory.buffers - memory.activation_peak
     assert report.num_gpu_blocks == budget // block_bytes
+    assert report.kv_cache.num_blocks == report.num_gpu_blocks and report.kv_cache.bytes_per_block == block_bytes
 
 
 def test_num_gpu_blocks_override(llama: Path) -> None:
@@ -215,7 +293,7 @@ def test_kv_cache_too_small_names_the_largest_length_that_fits(llama: Path) -> N
         memory = probe.startup_report.workers[0].memory
     block_bytes = nano_vllm_block_bytes(LLAMA_LAYERS, 16, LLAMA_KV_HEADS, LLAMA_HEAD_DIM, 4)
     available = 5 * block_bytes + block_bytes // 2
-    device_memory = -(-(memory.weights + memory.activation_peak + available) * 10 // 9)  # utilization 0.9
+    device_memory = -(-(memory.weights + memory.buffers + memory.activation_peak + available) * 10 // 9)  # 0.9
     with pytest.raises(KVCacheTooSmallError) as info:
         start_llm(llama, device_memory=device_memory)
     message = str(info.value)
@@ -234,8 +312,8 @@ def test_no_memory_left_for_the_kv_cache_names_rank_and_categories(llama: Path) 
         start_llm(llama, device_memory="1MiB")
     message = str(info.value)
     assert "No memory is left for the KV cache on rank 0" in message
-    assert re.search(r"weights \(\d+\.\d\d KiB\) and the profile run's activation peak \(\d+\.\d\d KiB\)",
-                     message), message
+    assert re.search(r"weights \(\d+\.\d\d KiB\), buffers \([\d.]+ (B|KiB)\) and the profile run's activation "
+                     r"peak \(\d+\.\d\d KiB\)", message), message
     assert "0.9 x 1.00 MiB" in message
     assert "lower max_num_batched_tokens" in message
 

@@ -13,17 +13,11 @@ from engine_ref.config import EngineConfig
 from engine_ref.engine.arg_utils import EngineArgs
 from engine_ref.engine.report import PhaseTimer, StartupReport
 from engine_ref.engine.scheduler import Request, Scheduler
-from engine_ref.errors import KVCacheTooSmallError, MemoryShortfall
 from engine_ref.executor.abstract import Executor
 from engine_ref.kv_cache.block_pool import BlockPool
-from engine_ref.kv_cache.spec import (
-    FullAttentionSpec,
-    bytes_per_block,
-    check_enough_kv_cache_memory,
-    get_num_blocks,
-)
+from engine_ref.kv_cache.sizing import KVCacheSizing, check_enough_kv_cache_memory, size_kv_cache
+from engine_ref.kv_cache.spec import bytes_per_block
 from engine_ref.plugins import load_general_plugins
-from engine_ref.utils import cdiv, format_bytes
 
 
 class EngineCore:
@@ -39,10 +33,10 @@ class EngineCore:
             self.executor = Executor.get_class(self.config)(self.config)
         try:
             with timer.phase("kv_cache"):
-                num_blocks = self._initialize_kv_caches()
+                kv_cache = self._initialize_kv_caches()
             with timer.phase("ready"):
                 self.scheduler = Scheduler(
-                    BlockPool(num_blocks, self.config.cache_config.block_size),
+                    BlockPool(kv_cache.num_blocks, self.config.cache_config.block_size),
                     self.config.scheduler_config.max_num_batched_tokens,
                     self.config.scheduler_config.max_num_seqs,
                     self.config.model_config.max_model_len,
@@ -56,40 +50,21 @@ class EngineCore:
             architecture=model.architecture, model=model.model,
             tensor_parallel_size=self.config.parallel_config.tensor_parallel_size,
             executor_backend=self.config.parallel_config.distributed_executor_backend,
-            max_model_len=model.max_model_len, block_size=self.config.cache_config.block_size,
-            num_gpu_blocks=num_blocks, phases=timer.seconds, workers=workers,
+            kv_cache=kv_cache, phases=timer.seconds, workers=workers,
         )
 
-    def _initialize_kv_caches(self) -> int:
+    def _initialize_kv_caches(self) -> KVCacheSizing:
         """Size the KV cache from the most constrained rank and allocate it on every rank."""
-        per_rank = self.executor.determine_available_memory()
-        available = min(per_rank)
+        self.executor.determine_available_memory()  # the profile run on every rank
+        memory = [report.memory for report in self.executor.worker_reports()]
         cache = self.config.cache_config
-        specs = self.executor.get_kv_cache_specs()[0]
-        if available <= 0 and cache.num_gpu_blocks_override is None:
-            shortfall = self._shortfall(per_rank, specs)
-            raise KVCacheTooSmallError(
-                f"No memory is left for the KV cache on rank {shortfall.rank}: weights "
-                f"({format_bytes(shortfall.weights)}) and the profile run's activation peak "
-                f"({format_bytes(shortfall.activation_peak)}) exceed {cache.gpu_memory_utilization} x "
-                f"{format_bytes(shortfall.capacity)} of device memory. Raise the device memory or "
-                f"gpu_memory_utilization, lower max_num_batched_tokens (the profile run's size), or raise "
-                f"tensor_parallel_size.", shortfall)
-        num_blocks = cache.num_gpu_blocks_override or get_num_blocks(specs, available)
-        try:
-            check_enough_kv_cache_memory(specs, num_blocks, cache.block_size,
-                                         self.config.model_config.max_model_len, available)
-        except KVCacheTooSmallError as e:
-            raise KVCacheTooSmallError(str(e), self._shortfall(per_rank, specs)) from None
-        self.executor.initialize_cache(num_blocks)
-        return num_blocks
-
-    def _shortfall(self, per_rank: list[int], specs: dict[str, FullAttentionSpec]) -> MemoryShortfall:
-        """What the most constrained rank needs: its weights, activation peak, KV of one request."""
-        rank = per_rank.index(min(per_rank))
-        memory = self.executor.worker_reports()[rank].memory
-        kv = cdiv(self.config.model_config.max_model_len, self.config.cache_config.block_size) * bytes_per_block(specs)
-        return MemoryShortfall(rank, memory.weights, memory.activation_peak, kv, memory.capacity)
+        sizing = size_kv_cache(memory, gpu_memory_utilization=cache.gpu_memory_utilization,
+                               bytes_per_block=bytes_per_block(self.executor.get_kv_cache_specs()[0]),
+                               block_size=cache.block_size, max_model_len=self.config.model_config.max_model_len,
+                               num_blocks_override=cache.num_gpu_blocks_override)
+        check_enough_kv_cache_memory(sizing, memory)
+        self.executor.initialize_cache(sizing.num_blocks)
+        return sizing
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

@@ -9,10 +9,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from engine_ref.kv_cache.sizing import KVCacheSizing
 from engine_ref.memory.accounting import MemoryUsage
 from engine_ref.utils import format_bytes
-
-ENGINE_PHASES = ("plugins", "config", "executor", "kv_cache", "ready")
 
 
 class PhaseTimer:
@@ -47,17 +46,27 @@ class WorkerReport:
 
 @dataclass
 class StartupReport:
-    """The result of a successful engine startup."""
+    """The result of a successful engine startup; ``kv_cache`` is the sizing the engine allocated by."""
 
     architecture: str
     model: str
     tensor_parallel_size: int
     executor_backend: str
-    max_model_len: int
-    block_size: int
-    num_gpu_blocks: int
+    kv_cache: KVCacheSizing
     phases: dict[str, float] = field(default_factory=dict)
     workers: list[WorkerReport] = field(default_factory=list)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.kv_cache.max_model_len
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.block_size
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.kv_cache.num_blocks
 
     @property
     def total_seconds(self) -> float:
@@ -66,7 +75,8 @@ class StartupReport:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["workers"] = [w.to_dict() for w in self.workers]
-        data["total_seconds"] = self.total_seconds
+        data.update(max_model_len=self.max_model_len, block_size=self.block_size,
+                    num_gpu_blocks=self.num_gpu_blocks, total_seconds=self.total_seconds)
         return data
 
     def to_json(self) -> str:
@@ -83,14 +93,14 @@ class StartupReport:
             f"{'total':<12}{self.total_seconds:>10.3f}",
             "",
             f"{'rank':<6}{'pid':>8}  {'device':<8}{'load s':>8}{'read':>12}{'weights':>12}"
-            f"{'activations':>13}{'KV cache':>12}{'total':>12}{'capacity':>12}",
+            f"{'buffers':>12}{'activations':>13}{'KV cache':>12}{'total':>12}{'capacity':>12}",
         ]
         for w in self.workers:
             m = w.memory
             lines.append(
                 f"{w.rank:<6}{w.pid:>8}  {w.device:<8}{w.phases.get('load_model', 0.0):>8.3f}"
                 f"{format_bytes(w.bytes_read):>12}{format_bytes(m.weights):>12}"
-                f"{format_bytes(m.activation_peak):>13}{format_bytes(m.kv_cache):>12}"
+                f"{format_bytes(m.buffers):>12}{format_bytes(m.activation_peak):>13}{format_bytes(m.kv_cache):>12}"
                 f"{format_bytes(m.total):>12}{format_bytes(m.capacity):>12}"
             )
         return "\n".join(lines)

@@ -17,23 +17,26 @@ T = TypeVar("T")
 
 @dataclass
 class MemoryUsage:
-    """One rank's device memory by category, in bytes."""
+    """One rank's device memory by category, in bytes: ``weights`` are the parameters, ``buffers``
+    the module buffers (rotary tables and the like) that are not also parameters."""
 
     capacity: int
     weights: int = 0
+    buffers: int = 0
     activation_peak: int = 0
     kv_cache: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.activation_peak + self.kv_cache
+        return self.weights + self.buffers + self.activation_peak + self.kv_cache
 
     def to_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
 
     def describe(self) -> str:
-        return (f"{format_bytes(self.total)} (weights {format_bytes(self.weights)}, activations "
-                f"{format_bytes(self.activation_peak)}, KV cache {format_bytes(self.kv_cache)})")
+        return (f"{format_bytes(self.total)} (weights {format_bytes(self.weights)}, buffers "
+                f"{format_bytes(self.buffers)}, activations {format_bytes(self.activation_peak)}, KV cache "
+                f"{format_bytes(self.kv_cache)})")
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -45,9 +48,11 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(storage.nbytes() for storage in storages.values())
 
 
-def module_bytes(module: nn.Module) -> int:
-    """Parameter and buffer bytes of a module, each storage counted once."""
-    return storage_bytes([*module.parameters(), *module.buffers()])
+def module_bytes(module: nn.Module) -> tuple[int, int]:
+    """(parameter bytes, buffer bytes) of a module; each storage counted once, a buffer sharing a
+    parameter's storage as a parameter."""
+    weights = storage_bytes(module.parameters())
+    return weights, storage_bytes([*module.parameters(), *module.buffers()]) - weights
 
 
 def measure_peak(fn: Callable[[], T], device: torch.device, existing: Any = ()) -> tuple[T, int]:

@@ -7,9 +7,10 @@ Each rank is the engine's own Worker, driven through the calls the executor make
     worker.load_model()                        load_format 'dummy': initialize_model, module_bytes
     worker.determine_available_memory()        the profile run under ActivationTracker
     worker.get_kv_cache_spec()                 per-layer KV pages
-then EngineCore's sizing: the smallest available memory over ranks -> get_num_blocks -> can one
-request of max_model_len be served. Only ``init_device`` is skipped (it would join a process
-group); FakeRank gives the worker its device capacity, as init_device does on CPU.
+then EngineCore's sizing (``kv_cache.sizing.size_kv_cache``) over every rank's memory: the blocks
+the engine would allocate, and whether one request of max_model_len can be served. Only
+``init_device`` is skipped (it would join a process group); FakeRank gives the worker its device
+capacity, as init_device does on CPU.
 """
 
 from __future__ import annotations
@@ -22,10 +23,16 @@ import torch
 from engine_ref.config import EngineConfig, valid_tensor_parallel_sizes
 from engine_ref.distributed.parallel_state import tensor_parallel_state
 from engine_ref.errors import ConfigError, EngineRefError, MissingConfigField
-from engine_ref.kv_cache.spec import FullAttentionSpec, bytes_per_block, get_num_blocks
+from engine_ref.kv_cache.sizing import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    KVCacheSizing,
+    default_max_num_batched_tokens,
+    size_kv_cache,
+)
+from engine_ref.kv_cache.spec import FullAttentionSpec, bytes_per_block
 from engine_ref.memory.accounting import MemoryUsage, module_bytes
-from engine_ref.memory.estimate import MemoryEstimate
 from engine_ref.memory.fake import fake_tensors
+from engine_ref.memory.result import MemoryEstimate
 from engine_ref.model_executor.model_loader.loaders import initialize_model
 from engine_ref.utils import cdiv, format_bytes
 from engine_ref.worker.worker import Worker
@@ -89,10 +96,10 @@ class FakeRank:
         with tensor_parallel_state(self.rank, self.worker.world_size):
             yield
 
-    def available_memory(self) -> int:
-        """The worker's determine_available_memory: the profile run, then the budget arithmetic."""
+    def profile(self) -> None:
+        """The worker's determine_available_memory: the profile run, which sets its activation peak."""
         with self._tp_group():
-            return self.worker.determine_available_memory()
+            self.worker.determine_available_memory()
 
     @property
     def signature(self) -> tuple:
@@ -103,6 +110,10 @@ class FakeRank:
     @property
     def weights(self) -> int:
         return self.worker.memory.weights
+
+    @property
+    def buffers(self) -> int:
+        return self.worker.memory.buffers
 
     @property
     def activation_peak(self) -> int:
@@ -124,25 +135,19 @@ class FakeEngine:
         self.capacity, self.requested = capacity, requested
         self.fixed_batch_tokens = max_num_batched_tokens  # None: the engine's default, which follows max_model_len
 
-    @property
-    def budget(self) -> int:
-        """What a rank may use: capacity * gpu_memory_utilization, as Worker.determine_available_memory."""
-        return int(self.capacity * self.config.cache_config.gpu_memory_utilization)
-
     def estimate(self) -> MemoryEstimate:
         """Build every rank, run its profile, size the KV cache; search a max_model_len if it does not fit."""
         config = self.config
         model, cache, requested = config.model_config, config.cache_config, self.requested
-        num_parameters, weight_bytes = self.whole_model()
+        num_parameters, weight_bytes, buffer_bytes = self.whole_model()
         with fake_tensors():
             ranks = [FakeRank(config, rank, self.label, self.capacity)
                      for rank in range(config.parallel_config.tensor_parallel_size)]
-            available = self.available_memory(ranks)
-            weights = [rank.weights for rank in ranks]
-            peaks = [rank.activation_peak for rank in ranks]
-            num_blocks = get_num_blocks(ranks[0].specs, min(available))  # EngineCore: the smallest rank decides
-            overflow, reason = self.verdict(ranks, available, num_blocks)
-            largest = requested if overflow is None else self.largest_fitting_len(ranks, available)
+            self.profile(ranks)
+            peaks = [rank.activation_peak for rank in ranks]  # the search below re-runs the profile
+            sizing = self.sizing(ranks)
+            overflow, reason = self.verdict(ranks, sizing)
+            largest = requested if overflow is None else self.largest_fitting_len(ranks, sizing)
             self.set_max_model_len(requested)
         return MemoryEstimate(
             architecture=model.architecture,
@@ -150,12 +155,14 @@ class FakeEngine:
             dtype=model.dtype,
             tensor_parallel_size=len(ranks),
             weight_bytes=weight_bytes,
-            weight_bytes_per_rank=weights,
+            buffer_bytes=buffer_bytes,
+            weight_bytes_per_rank=[rank.weights for rank in ranks],
+            buffer_bytes_per_rank=[rank.buffers for rank in ranks],
             activation_peak_bytes_per_rank=peaks,
             kv_cache_bytes_per_token_per_rank=[rank.kv_bytes_per_token for rank in ranks],
             block_size=cache.block_size,
-            num_gpu_blocks=num_blocks,
-            max_concurrency=num_blocks * cache.block_size / requested,
+            num_gpu_blocks=sizing.num_blocks,
+            max_concurrency=sizing.largest_max_model_len / requested,
             fits=overflow is None,
             reason=reason,
             max_model_len_estimate=largest,
@@ -163,6 +170,7 @@ class FakeEngine:
             max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens or requested,
             device_memory_bytes=self.capacity,
             gpu_memory_utilization=cache.gpu_memory_utilization,
+            budget_bytes=sizing.budget_bytes[0],
             overflow=overflow,
             all_reduce_bytes=self.all_reduce_bytes(len(ranks)),
         )
@@ -175,58 +183,66 @@ class FakeEngine:
         tokens = self.config.scheduler_config.max_num_batched_tokens or self.requested
         return tokens * model.hf_text_config.hidden_size * model.torch_dtype.itemsize
 
-    def whole_model(self) -> tuple[int, int]:
-        """(parameters, weight bytes) of the unsharded model (TP=1, on the meta device; shared tensors once)."""
+    def whole_model(self) -> tuple[int, int, int]:
+        """(parameters, weight bytes, buffer bytes) of the unsharded model (TP=1, on the meta device;
+        shared tensors once)."""
         with tensor_parallel_state(0, 1), building(self.config, self.label, world_size=1):
             whole = initialize_model(self.config, torch.device("meta"))
-        return sum(p.numel() for p in whole.parameters()), module_bytes(whole)
+        return sum(p.numel() for p in whole.parameters()), *module_bytes(whole)
 
-    def available_memory(self, ranks: list[FakeRank]) -> list[int]:
-        """Each rank's memory left for the KV cache; one profile run per distinct shard shape.
+    def profile(self, ranks: list[FakeRank]) -> None:
+        """Every rank's profile run; one per distinct shard shape.
 
         Ranks whose parameters and buffers have the same names, shapes and dtypes run the same
         operators on the same shapes (the rank only changes which rows they hold), so the profile
         run of the first stands for the others.
         """
         first: dict[tuple, FakeRank] = {}
-        available = []
         for rank in ranks:
             twin = first.setdefault(rank.signature, rank)
             if twin is rank:
-                available.append(rank.available_memory())
+                rank.profile()
             else:
                 rank.worker.memory.activation_peak = twin.activation_peak
-                available.append(available[twin.rank])
-        return available
 
-    def verdict(self, ranks: list[FakeRank], available: list[int], num_blocks: int) -> tuple[str | None, str | None]:
+    def sizing(self, ranks: list[FakeRank]) -> KVCacheSizing:
+        """EngineCore's KV cache sizing over the ranks' memory, at the config's current max_model_len."""
+        cache = self.config.cache_config
+        return size_kv_cache([rank.worker.memory for rank in ranks],
+                             gpu_memory_utilization=cache.gpu_memory_utilization,
+                             bytes_per_block=bytes_per_block(ranks[0].specs), block_size=cache.block_size,
+                             max_model_len=self.config.model_config.max_model_len,
+                             num_blocks_override=cache.num_gpu_blocks_override)
+
+    def verdict(self, ranks: list[FakeRank], sizing: KVCacheSizing) -> tuple[str | None, str | None]:
         """(the category that does not fit, why), or (None, None) when a max_model_len request fits."""
-        cache, max_len = self.config.cache_config, self.requested
-        share = (f"{cache.gpu_memory_utilization} x {format_bytes(self.capacity)} = "
-                 f"{format_bytes(self.budget)}")
-        heaviest = max(ranks, key=lambda r: r.weights)
-        if heaviest.weights > self.budget:
+        cache = self.config.cache_config
+        heaviest = max(ranks, key=lambda r: r.weights + r.buffers)
+        budget = sizing.budget_bytes[heaviest.rank]
+        share = f"{cache.gpu_memory_utilization} x {format_bytes(self.capacity)} = {format_bytes(budget)}"
+        if heaviest.weights + heaviest.buffers > budget:
             return "weights", (
-                f"the weights of rank {heaviest.rank} ({format_bytes(heaviest.weights)}) exceed its budget of "
-                f"{share}; raise tensor_parallel_size, the device memory or gpu_memory_utilization."
+                f"the weights of rank {heaviest.rank} ({format_bytes(heaviest.weights)}, buffers "
+                f"{format_bytes(heaviest.buffers)}) exceed its budget of {share}; raise tensor_parallel_size, the "
+                f"device memory or gpu_memory_utilization."
             )
-        rank = ranks[available.index(min(available))]
-        if available[rank.rank] <= 0:
+        rank = ranks[sizing.rank]
+        if sizing.available_bytes[rank.rank] <= 0:
             return "activation_peak", (
-                f"the weights of rank {rank.rank} ({format_bytes(rank.weights)}) and the activation peak of its "
-                f"profile run of {self.config.scheduler_config.max_num_batched_tokens} tokens "
-                f"({format_bytes(rank.activation_peak)}) exceed its budget of {share}, leaving nothing for the KV "
-                f"cache; lower max_num_batched_tokens or max_model_len, or raise tensor_parallel_size, the device "
+                f"the weights of rank {rank.rank} ({format_bytes(rank.weights)}, buffers {format_bytes(rank.buffers)}) "
+                f"and the activation peak of its profile run of {self.config.scheduler_config.max_num_batched_tokens} "
+                f"tokens ({format_bytes(rank.activation_peak)}) exceed its budget of {share}, leaving nothing for the "
+                f"KV cache; lower max_num_batched_tokens or max_model_len, or raise tensor_parallel_size, the device "
                 f"memory or gpu_memory_utilization."
             )
-        if num_blocks * cache.block_size < max_len:
-            needed = cdiv(max_len, cache.block_size) * bytes_per_block(rank.specs)
+        if not sizing.fits:
             return "kv_cache", (
-                f"one request of max_model_len {max_len} needs {format_bytes(needed)} of KV cache on rank "
-                f"{rank.rank}, but only {format_bytes(available[rank.rank])} is left after weights "
-                f"({format_bytes(rank.weights)}) and the activation peak ({format_bytes(rank.activation_peak)}): "
-                f"{num_blocks} blocks of {cache.block_size} tokens; lower max_model_len, or raise "
-                f"tensor_parallel_size, the device memory or gpu_memory_utilization."
+                f"one request of max_model_len {sizing.max_model_len} needs {format_bytes(sizing.request_bytes)} of "
+                f"KV cache on rank {rank.rank}, but only {format_bytes(sizing.available_bytes[rank.rank])} is left "
+                f"after weights ({format_bytes(rank.weights)}), buffers ({format_bytes(rank.buffers)}) and the "
+                f"activation peak ({format_bytes(rank.activation_peak)}): {sizing.num_blocks} blocks of "
+                f"{sizing.block_size} tokens; lower max_model_len, or raise tensor_parallel_size, the device memory "
+                f"or gpu_memory_utilization."
             )
         return None, None
 
@@ -236,22 +252,15 @@ class FakeEngine:
         """Point the (estimate-private) config at another max_model_len, with the engine's batch default."""
         self.config.model_config.max_model_len = max_len
         if self.fixed_batch_tokens is None:
-            self.config.scheduler_config.max_num_batched_tokens = max(max_len, 2048)
-
-    def slack(self, ranks: list[FakeRank], available: list[int], max_len: int) -> int:
-        """Tokens of KV cache to spare beyond one request of ``max_len`` (negative: it does not fit).
-
-        ``num_blocks * block_size - max_len`` with the engine's num_blocks, extended below zero
-        blocks when no memory is left, so that it keeps falling as max_len grows.
-        """
-        return min(available) // bytes_per_block(ranks[0].specs) * self.config.cache_config.block_size - max_len
+            self.config.scheduler_config.max_num_batched_tokens = default_max_num_batched_tokens(max_len)
 
     def slack_at(self, ranks: list[FakeRank], max_len: int) -> int:
-        """``slack`` at another max_model_len: the engine's profile run is re-run at that length."""
+        """``KVCacheSizing.slack_tokens`` at another max_model_len: the profile run is re-run at that length."""
         self.set_max_model_len(max_len)
-        return self.slack(ranks, self.available_memory(ranks), max_len)
+        self.profile(ranks)
+        return self.sizing(ranks).slack_tokens
 
-    def largest_fitting_len(self, ranks: list[FakeRank], available: list[int]) -> int:
+    def largest_fitting_len(self, ranks: list[FakeRank], sizing: KVCacheSizing) -> int:
         """The largest max_model_len below the requested one that fits; always a length tried (0: none).
 
         The activation peak grows with max_model_len (the profile batch follows it), so the slack
@@ -261,10 +270,10 @@ class FakeEngine:
         (halving when one side repeats); after a length that fits, ``n(lo) * block_size`` also
         bounds the answer. A few profile runs. Lengths below ``search_floor()`` are not tried.
         """
-        if max(rank.weights for rank in ranks) > self.budget:
+        if any(rank.weights + rank.buffers > sizing.budget_bytes[rank.rank] for rank in ranks):
             return 0
         lo, hi, floor = 0, self.requested, self.search_floor()
-        above = (hi, self.slack(ranks, available, hi))  # the last length tried that does not fit, its slack
+        above = (hi, sizing.slack_tokens)  # the last length tried that does not fit, its slack
         below: tuple[int, int] | None = None  # the last length tried that fits, its slack
         last_fit, same_side = None, 0
         for _ in range(MAX_SEARCH_STEPS):
@@ -293,4 +302,4 @@ class FakeEngine:
 
     def search_floor(self) -> int:
         """The shortest max_model_len searched: its profile batch has at most MAX_SEARCH_SEQUENCES sequences."""
-        return cdiv(self.fixed_batch_tokens or 2048, MAX_SEARCH_SEQUENCES)
+        return cdiv(self.fixed_batch_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, MAX_SEARCH_SEQUENCES)

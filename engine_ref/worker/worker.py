@@ -19,7 +19,8 @@ from engine_ref.distributed.parallel_state import destroy_distributed_environmen
 from engine_ref.engine.report import PhaseTimer, WorkerReport
 from engine_ref.engine.scheduler import SchedulerOutput
 from engine_ref.errors import ConfigError
-from engine_ref.kv_cache.spec import FullAttentionSpec
+from engine_ref.kv_cache.sizing import size_kv_cache
+from engine_ref.kv_cache.spec import FullAttentionSpec, bytes_per_block
 from engine_ref.memory.accounting import MemoryUsage, module_bytes, storage_bytes
 from engine_ref.model_executor.layers.attention import Attention
 from engine_ref.model_executor.model_loader.loaders import get_model_loader
@@ -74,15 +75,18 @@ class Worker:
             loader = get_model_loader(self.config.load_config)
             self.model = loader.load_model(self.config, self.device)
             self.bytes_read = loader.stats.bytes_read
-            self.memory.weights = module_bytes(self.model)
+            self.memory.weights, self.memory.buffers = module_bytes(self.model)
             self.model_runner = ModelRunner(self.model, self.config, self.device)
 
     def determine_available_memory(self) -> int:
-        """Bytes left for the KV cache: capacity * gpu_memory_utilization - weights - activation peak."""
+        """Run the profile; return the bytes this rank has left for the KV cache (kv_cache/sizing.py)."""
         with self.timer.phase("profile_run"):
             self.memory.activation_peak = self.model_runner.profile_run()
-        budget = int(self.memory.capacity * self.config.cache_config.gpu_memory_utilization)
-        return budget - self.memory.weights - self.memory.activation_peak
+        cache = self.config.cache_config
+        sizing = size_kv_cache([self.memory], gpu_memory_utilization=cache.gpu_memory_utilization,
+                               bytes_per_block=bytes_per_block(self.get_kv_cache_spec()),
+                               block_size=cache.block_size, max_model_len=self.config.model_config.max_model_len)
+        return sizing.available_bytes[0]
 
     def attention_layers(self) -> dict[str, Attention]:
         return {name: m for name, m in self.model.named_modules() if isinstance(m, Attention)}
