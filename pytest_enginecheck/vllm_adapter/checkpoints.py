@@ -29,15 +29,23 @@ class NoTinyCheckpoint(Exception):
     """No tiny checkpoint can be made for the architecture; the message says why."""
 
 
-def tiny_config(architecture: str) -> Any:
-    """The architecture's transformers config with TINY_SIZES applied."""
+def hf_class(architecture: str, model_cls: type | None = None) -> Any:
+    """The transformers class for an architecture: its own name, else the nearest base class of the vLLM
+    model class that transformers has (an out-of-tree ``MyLlama(LlamaForCausalLM)`` uses Llama's)."""
     import transformers
 
-    model_cls = getattr(transformers, architecture, None)
-    if model_cls is None:
-        raise NoTinyCheckpoint(f"transformers {transformers.__version__} has no class {architecture!r}, so there is "
-                               f"no config class to shrink")
-    config_cls = getattr(model_cls, "config_class", None)
+    names = [architecture, *(base.__name__ for base in (model_cls.__mro__ if model_cls else ()))]
+    found = next((getattr(transformers, n) for n in names if isinstance(getattr(transformers, n, None), type)), None)
+    if found is None:
+        raise NoTinyCheckpoint(f"transformers {transformers.__version__} has no class {architecture!r} (nor one of its "
+                               f"base classes), so there is no config class to shrink")
+    return found
+
+
+def tiny_config(architecture: str, model_cls: type | None = None) -> Any:
+    """The architecture's transformers config with TINY_SIZES applied."""
+    hf = hf_class(architecture, model_cls)
+    config_cls = getattr(hf, "config_class", None)
     if config_cls is None:
         raise NoTinyCheckpoint(f"transformers.{architecture} declares no config_class")
     defaults = config_cls()
@@ -56,22 +64,21 @@ def tiny_config(architecture: str) -> Any:
     return config
 
 
-def make_tiny_checkpoint(architecture: str, path: Path) -> Path:
+def make_tiny_checkpoint(architecture: str, path: Path, model_cls: type | None = None) -> Path:
     """Write the tiny checkpoint of ``architecture`` to ``path`` (config.json + model.safetensors)."""
     import torch
-    import transformers
 
-    config = tiny_config(architecture)
+    config = tiny_config(architecture, model_cls)
     torch.manual_seed(SEED)
     try:
-        model = getattr(transformers, architecture)(config).to(torch.float32)
+        model = hf_class(architecture, model_cls)(config).to(torch.float32)
     except Exception as e:  # noqa: BLE001 - transformers' own limits, not the vLLM model's fault
         raise NoTinyCheckpoint(f"transformers cannot build a tiny {architecture}: {type(e).__name__}: {e}") from None
     model.save_pretrained(path, safe_serialization=True)
     return path
 
 
-def tiny_checkpoint(architecture: str, workdir: str) -> Path:
+def tiny_checkpoint(architecture: str, workdir: str, model_cls: type | None = None) -> Path:
     """The architecture's tiny checkpoint under ``workdir``, made once (atomically, so xdist workers share it)."""
     path = Path(workdir) / "vllm-checkpoints" / architecture
     if (path / "config.json").exists():
@@ -79,7 +86,7 @@ def tiny_checkpoint(architecture: str, workdir: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{architecture}-"))
     try:
-        make_tiny_checkpoint(architecture, tmp)
+        make_tiny_checkpoint(architecture, tmp, model_cls)
         os.replace(tmp, path)
     except OSError:  # another process of this session made it first
         if not (path / "config.json").exists():
