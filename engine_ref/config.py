@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine_ref import envs
 from engine_ref.errors import ConfigError, MissingConfigField
+from engine_ref.kv_cache.sizing import default_max_num_batched_tokens
 from engine_ref.utils import parse_size
 
 if TYPE_CHECKING:
@@ -34,12 +35,52 @@ DEFAULT_CPU_DEVICE_MEMORY = "4GiB"
 DEFAULT_READY_TIMEOUT_S = 300.0
 
 
+# transformers' ``attribute_map`` of each bundled model type: an alias config.json may use -> the name
+# the config class stores (Qwen3-MoE's Hub files say num_experts, transformers 5 writes
+# num_local_experts). tests/test_models_hf.py proves it equals transformers' own.
+HF_ATTRIBUTE_MAPS: dict[str, dict[str, str]] = {
+    "mixtral": {"num_experts": "num_local_experts"},
+    "qwen3_moe": {"num_experts": "num_local_experts"},
+    "llava": {"image_token_id": "image_token_index"},
+}
+
+
 class HFConfig(dict):
     """A parsed config.json: a dict whose keys also read as attributes.
 
-    A missing key raises MissingConfigField (an AttributeError too), so ``getattr(c, k, default)``
-    works and a model that needs a field gets a message naming it.
+    As in transformers' config classes, an alias of the model type's ``HF_ATTRIBUTE_MAPS`` is stored
+    under its canonical name and reads under either. A missing key raises MissingConfigField (an
+    AttributeError too), so ``getattr(c, k, default)`` works and a model that needs a field gets a
+    message naming it.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for alias, name in self._aliases().items():
+            if not super().__contains__(alias):
+                continue
+            value = super().pop(alias)
+            if super().get(name, value) != value:
+                raise ConfigError(
+                    f"config.json sets both {alias}={value!r} and {name}={super().__getitem__(name)!r}, two "
+                    f"spellings of one field; keep one."
+                )
+            super().__setitem__(name, value)
+
+    def _aliases(self) -> dict[str, str]:
+        return HF_ATTRIBUTE_MAPS.get(dict.get(self, "model_type"), {})
+
+    def _key(self, name: Any) -> Any:
+        return self._aliases().get(name, name)
+
+    def __getitem__(self, name: Any) -> Any:
+        return super().__getitem__(self._key(name))
+
+    def __contains__(self, name: object) -> bool:
+        return super().__contains__(self._key(name))
+
+    def get(self, name: Any, default: Any = None) -> Any:
+        return super().get(self._key(name), default)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -61,6 +102,8 @@ class HFConfig(dict):
             return json.loads(path.read_text(), object_hook=cls)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON ({e}); fix or regenerate config.json.") from None
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
 
 
 def get_text_config(hf_config: HFConfig) -> HFConfig:
@@ -280,7 +323,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         model, sched = self.model_config, self.scheduler_config
         if sched.max_num_batched_tokens is None:
-            sched.max_num_batched_tokens = max(model.max_model_len, 2048)
+            sched.max_num_batched_tokens = default_max_num_batched_tokens(model.max_model_len)
         if sched.max_num_batched_tokens < model.max_model_len:
             raise ConfigError(
                 f"max_num_batched_tokens={sched.max_num_batched_tokens} is smaller than max_model_len="

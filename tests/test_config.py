@@ -152,6 +152,16 @@ def test_missing_config_field_is_also_an_attribute_error(tmp_path: Path) -> None
         _ = config.no_such_field
 
 
+def test_two_spellings_of_one_field_are_refused(tmp_path: Path) -> None:
+    """Qwen3-MoE's num_experts and num_local_experts are one field (transformers' attribute_map)."""
+    model = write_model_dir(tmp_path / "model", "Qwen3MoeForCausalLM", overrides={"num_local_experts": 8})
+    with pytest.raises(ConfigError) as info:
+        create_config(model)
+    message = str(info.value)
+    assert all(needle in message for needle in (f"{model}/config.json", "num_experts=4", "num_local_experts=8",
+                                                 "keep one")), message
+
+
 # -- valid configurations and their defaults ------------------------------------------------------
 
 

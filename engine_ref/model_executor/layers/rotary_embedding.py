@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -11,25 +15,52 @@ from torch import nn
 from engine_ref.errors import ConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# transformers' ``default_theta`` of each bundled model type, where it is not 10000: the base when
+# config.json names none. tests/test_models_hf.py proves it equals transformers' own.
+DEFAULT_ROPE_THETA = 10000.0
+DEFAULT_ROPE_THETAS = {"mixtral": 1000000.0}
 
 
-def get_rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling) from config.json, in either the legacy or the transformers 5 layout."""
-    params = config.get("rope_parameters") or {}
-    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    if scaling is not None:
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError(
-                f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
-            )
-        if rope_type == "default":
-            scaling = None
-    return float(theta), scaling
+def get_rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's rotary settings as transformers 5 standardises them into ``rope_parameters``.
+
+    Older files spell them ``rope_theta`` and ``rope_scaling`` (whose ``type`` is now ``rope_type``);
+    ``rope_scaling`` wins over ``rope_parameters``, as in transformers.
+    """
+    params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    if any(isinstance(value, Mapping) for value in params.values()):
+        raise ConfigError(
+            f"rope parameters per layer type ({', '.join(params)}) are not supported; give config.json one "
+            f"rope_parameters dict."
+        )
+    params.setdefault("rope_theta", config.get(
+        "rope_theta", DEFAULT_ROPE_THETAS.get(config.get("model_type"), DEFAULT_ROPE_THETA)))
+    if "partial_rotary_factor" in config:
+        params.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
+    params.setdefault("rope_type", params.get("type", "default"))
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(
+            f"partial_rotary_factor={params['partial_rotary_factor']!r} is not supported; only a rotary "
+            f"embedding over the whole head (1.0) is."
+        )
+    if rope_type == "llama3":
+        if "original_max_position_embeddings" in config:
+            params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+        else:
+            params.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
+        missing = [key for key in LLAMA3_SCALING_KEYS if params.get(key) is None]
+        if missing:
+            raise ConfigError(f"rope_type 'llama3' needs {', '.join(missing)} in config.json's rope_parameters.")
+    return params
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch.Tensor:
     """Llama 3's long-context scaling: slow low frequencies, keep high ones, blend in between."""
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -43,14 +74,18 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rotary embeddings to flattened q and k (``[tokens, heads * head_size]``)."""
+    """Applies rotary embeddings to flattened q and k (``[tokens, heads * head_size]``).
 
-    def __init__(self, head_size: int, base: float, scaling: dict[str, Any] | None = None) -> None:
+    ``rope_parameters`` is the standardised dict of ``get_rope_parameters``.
+    """
+
+    def __init__(self, head_size: int, rope_parameters: Mapping[str, Any]) -> None:
         super().__init__()
         self.head_size = head_size
+        base = float(rope_parameters["rope_theta"])
         inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
-        if scaling is not None:
-            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        if rope_parameters["rope_type"] == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -68,7 +103,35 @@ class RotaryEmbedding(nn.Module):
         return (x * cos + rotated * sin).reshape(shape)
 
 
-def get_rope(head_size: int, config: Any) -> RotaryEmbedding:
-    """The rotary embedding a config.json asks for."""
-    base, scaling = get_rope_parameters(config)
-    return RotaryEmbedding(head_size, base, scaling)
+_shared_ropes: ContextVar[dict[tuple[int, str], RotaryEmbedding] | None] = ContextVar("_shared_ropes", default=None)
+
+
+@contextmanager
+def shared_rope_scope() -> Iterator[None]:
+    """While a model is built: ``get_rope`` returns one shared instance per configuration.
+
+    vLLM's ``get_rope`` caches per process; here the cache lives for one model build (nested scopes
+    join the outer one), so a model estimated on the meta device or under a fake-tensor mode never
+    shares a table with a real one built in the same process.
+    """
+    if _shared_ropes.get() is not None:
+        yield
+        return
+    token = _shared_ropes.set({})
+    try:
+        yield
+    finally:
+        _shared_ropes.reset(token)
+
+
+def get_rope(head_size: int, config: Mapping[str, Any]) -> RotaryEmbedding:
+    """The rotary embedding a config.json asks for; inside ``shared_rope_scope`` one per configuration,
+    so every layer shares one table, allocated (and counted) once."""
+    params = get_rope_parameters(config)
+    shared = _shared_ropes.get()
+    if shared is None:
+        return RotaryEmbedding(head_size, params)
+    key = (head_size, json.dumps(params, sort_keys=True))
+    if key not in shared:
+        shared[key] = RotaryEmbedding(head_size, params)
+    return shared[key]

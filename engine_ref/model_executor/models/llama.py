@@ -21,7 +21,7 @@ from engine_ref.model_executor.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from engine_ref.model_executor.layers.rotary_embedding import get_rope
+from engine_ref.model_executor.layers.rotary_embedding import get_rope, shared_rope_scope
 from engine_ref.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from engine_ref.model_executor.model_loader.weight_utils import (
     CheckpointTensor,
@@ -137,8 +137,9 @@ class LlamaModel(nn.Module):
                  quant_config: QuantizationConfig | None = None, prefix: str = "model") -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(decoder_layer_cls(config, i, quant_config, f"{prefix}.layers.{i}")
-                                    for i in range(config.num_hidden_layers))
+        with shared_rope_scope():  # one rotary table for all layers
+            self.layers = nn.ModuleList(decoder_layer_cls(config, i, quant_config, f"{prefix}.layers.{i}")
+                                        for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

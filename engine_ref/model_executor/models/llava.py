@@ -71,7 +71,7 @@ class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
                 f"vision_feature_select_strategy={self.select_strategy!r} is unknown; use 'default' or 'full'."
             )
         num_layers = feature_layer if feature_layer >= 0 else vision.num_hidden_layers + feature_layer + 1
-        self.image_token_index = config.get("image_token_index", config.get("image_token_id"))
+        self.image_token_index = config.image_token_index
         self.vision_tower = CLIPVisionModel(vision, num_layers)
         self.multi_modal_projector = LlavaMultiModalProjector(
             vision.hidden_size, text.hidden_size, config.get("projector_hidden_act", "gelu"),
@@ -123,4 +123,13 @@ class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
         return self.language_model.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
-        return load_mapped_weights(self, weights, self.weights_mapper)
+        return load_mapped_weights(self, ((hub_vision_tower_name(name), tensor) for name, tensor in weights),
+                                   self.weights_mapper)
+
+
+def hub_vision_tower_name(name: str) -> str:
+    """The Hub's name of a vision tower tensor: transformers 5 saves the CLIP tower without its
+    ``vision_model.`` level (``vision_tower.embeddings...``), the Hub's files have it."""
+    if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+        return "vision_tower.vision_model." + name.removeprefix("vision_tower.")
+    return name
