@@ -8,10 +8,10 @@ a device.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from engine_ref import envs
 from engine_ref.errors import ConfigError, MissingConfigField
@@ -21,7 +21,10 @@ from engine_ref.utils import parse_size
 if TYPE_CHECKING:
     import torch
 
+    from engine_ref.lora.config import LoRAConfig
     from engine_ref.model_executor.models.interfaces import ModelInfo
+
+ConfigT = TypeVar("ConfigT", bound=Mapping[str, Any])
 
 DTYPES = {
     "float32": "float32", "float": "float32", "fp32": "float32",
@@ -68,7 +71,7 @@ class HFConfig(dict):
             super().__setitem__(name, value)
 
     def _aliases(self) -> dict[str, str]:
-        return HF_ATTRIBUTE_MAPS.get(dict.get(self, "model_type"), {})
+        return HF_ATTRIBUTE_MAPS.get(dict.get(self, "model_type") or "", {})
 
     def _key(self, name: Any) -> Any:
         return self._aliases().get(name, name)
@@ -106,7 +109,7 @@ class HFConfig(dict):
             raise ConfigError(f"{path}: {e}") from None
 
 
-def get_text_config(hf_config: HFConfig) -> HFConfig:
+def get_text_config(hf_config: ConfigT) -> ConfigT:
     """The language model's config: ``text_config`` for multimodal models, else the config itself."""
     return hf_config.get("text_config") or hf_config
 
@@ -318,13 +321,15 @@ class EngineConfig:
     load_config: LoadConfig
     device_config: DeviceConfig
     scheduler_config: SchedulerConfig
+    lora_config: LoRAConfig | None = None  # None: LoRA not enabled
     model_info: ModelInfo | None = None
 
     def __post_init__(self) -> None:
         model, sched = self.model_config, self.scheduler_config
+        max_model_len = cast(int, model.max_model_len)  # ModelConfig resolved it
         if sched.max_num_batched_tokens is None:
-            sched.max_num_batched_tokens = default_max_num_batched_tokens(model.max_model_len)
-        if sched.max_num_batched_tokens < model.max_model_len:
+            sched.max_num_batched_tokens = default_max_num_batched_tokens(max_model_len)
+        if sched.max_num_batched_tokens < max_model_len:
             raise ConfigError(
                 f"max_num_batched_tokens={sched.max_num_batched_tokens} is smaller than max_model_len="
                 f"{model.max_model_len}, so a full-length prompt could never be scheduled; raise "

@@ -148,7 +148,7 @@ def test_missing_config_field_is_also_an_attribute_error(tmp_path: Path) -> None
     """A model reading an absent field through HFConfig gets MissingConfigField, and getattr defaults work."""
     config = create_config(write_model_dir(tmp_path)).model_config.hf_config
     assert getattr(config, "no_such_field", 7) == 7
-    with pytest.raises(MissingConfigField, match="'no_such_field'.*add it to config.json"):
+    with pytest.raises(MissingConfigField, match=r"'no_such_field'.*add it to config\.json"):
         _ = config.no_such_field
 
 

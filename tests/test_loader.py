@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from engine_ref import LLM
 from engine_ref.config import EngineConfig
-from engine_ref.engine.arg_utils import EngineArgs
 from engine_ref.distributed.parallel_state import tensor_parallel_state
+from engine_ref.engine.arg_utils import EngineArgs
 from engine_ref.errors import WeightLoadError
 from engine_ref.model_executor.model_loader.loaders import (
     DefaultModelLoader,

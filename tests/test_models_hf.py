@@ -214,7 +214,8 @@ def test_save_pretrained_writes_the_spellings_engine_ref_must_read(model_pair: C
     """The save_pretrained checkpoints above really use transformers 5's spellings, not the Hub's."""
     import json
 
-    qwen3_moe = json.loads((model_pair("Qwen3MoeForCausalLM", "save_pretrained").checkpoint / "config.json").read_text())
+    checkpoint = model_pair("Qwen3MoeForCausalLM", "save_pretrained").checkpoint
+    qwen3_moe = json.loads((checkpoint / "config.json").read_text())
     assert "num_local_experts" in qwen3_moe and "num_experts" not in qwen3_moe
     assert "rope_parameters" in qwen3_moe and "rope_theta" not in qwen3_moe
 
@@ -265,7 +266,8 @@ def rope_layouts(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
         "rope_parameters": {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 250000.0}},
         "rope_scaling-llama3": {**base, "rope_theta": 500000.0, "rope_scaling": {
             "type": "llama3", **llama3, "original_max_position_embeddings": 64}},
-        "rope_parameters-llama3": {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **llama3}},
+        "rope_parameters-llama3": {**base, "rope_parameters": {
+            "rope_type": "llama3", "rope_theta": 500000.0, **llama3}},
         "both": {**base, "rope_theta": 1000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 2000.0}},
     }
 

@@ -138,7 +138,7 @@ def test_register_model_spec_is_validated_and_lazy(registry: _ModelRegistry) -> 
     registry.register_model("LazyModel", "surely_absent_pkg.sub:LazyModel")
     assert registry.models["LazyModel"] == RegisteredModel("surely_absent_pkg.sub", "LazyModel")
     assert "surely_absent_pkg" not in sys.modules
-    with pytest.raises(ValueError, match="package.module:ClassName"):
+    with pytest.raises(ValueError, match=r"package\.module:ClassName"):
         registry.register_model("Bad", "no_colon_here")
 
 

@@ -35,7 +35,7 @@ def get_rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
             f"rope_parameters dict."
         )
     params.setdefault("rope_theta", config.get(
-        "rope_theta", DEFAULT_ROPE_THETAS.get(config.get("model_type"), DEFAULT_ROPE_THETA)))
+        "rope_theta", DEFAULT_ROPE_THETAS.get(config.get("model_type", ""), DEFAULT_ROPE_THETA)))
     if "partial_rotary_factor" in config:
         params.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
     params.setdefault("rope_type", params.get("type", "default"))
@@ -78,6 +78,8 @@ class RotaryEmbedding(nn.Module):
 
     ``rope_parameters`` is the standardised dict of ``get_rope_parameters``.
     """
+
+    inv_freq: torch.Tensor
 
     def __init__(self, head_size: int, rope_parameters: Mapping[str, Any]) -> None:
         super().__init__()

@@ -73,6 +73,12 @@ class CLIPEncoderLayer(nn.Module):
         return x + self.mlp(self.layer_norm2(x))
 
 
+class CLIPEncoder(nn.Module):
+    def __init__(self, config: HFConfig, num_layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(CLIPEncoderLayer(config) for _ in range(num_layers))
+
+
 class CLIPVisionTransformer(nn.Module):
     """Embeddings, pre-norm, and the first ``num_layers`` encoder layers (no post-norm: unused by Llava)."""
 
@@ -80,8 +86,7 @@ class CLIPVisionTransformer(nn.Module):
         super().__init__()
         self.embeddings = CLIPVisionEmbeddings(config)
         self.pre_layrnorm = nn.LayerNorm(config.hidden_size, eps=config.get("layer_norm_eps", 1e-5))
-        self.encoder = nn.Module()
-        self.encoder.layers = nn.ModuleList(CLIPEncoderLayer(config) for _ in range(num_layers))
+        self.encoder = CLIPEncoder(config, num_layers)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         x = self.pre_layrnorm(self.embeddings(pixel_values))

@@ -114,7 +114,7 @@ class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
                     f"{num_images} image(s) were given, which need {num_images * self.tokens_per_image}; "
                     f"put {self.tokens_per_image} image tokens in a prompt per image."
                 )
-            if num_images:
+            if pixel_values is not None and num_images:
                 features = self.get_image_features(pixel_values.to(embeds.dtype))
                 embeds = embeds.masked_scatter(is_image.unsqueeze(-1), features)
         return self.language_model(input_ids, positions, inputs_embeds=embeds)

@@ -204,7 +204,7 @@ class _ModelRegistry:
                 return e
 
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="inspect") as pool:
-            return dict(zip(archs, pool.map(inspect, archs)))
+            return dict(zip(archs, pool.map(inspect, archs), strict=True))
 
     def _inspect_with_subprocess(self, architecture: str, entry: RegisteredModel, timeout: float) -> ModelInfo:
         from engine_ref.isolation import IsolatedProcessError, RemoteTraceback, run_isolated
