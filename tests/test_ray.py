@@ -120,3 +120,21 @@ def test_ray_worker_failure_names_rank_and_leaves_the_callers_ray(tiny_checkpoin
     assert isinstance(info.value.__cause__, RemoteTraceback) and "_maybe_fail" in info.value.__cause__.text
     assert ray.is_initialized(), "a Ray the caller started must be left running"
     assert not wait_gone(actor_processes(), timeout=10), "the failed engine's actors were not killed"
+
+
+def test_ray_hung_worker_is_dumped_and_killed_at_the_ready_timeout(tiny_checkpoint: Callable[..., Path],
+                                                                  caller_ray: None) -> None:
+    """The driver reads the hung actor's stacks as faulthandler writes them (a named pipe), with no fixed sleep."""
+    timeout_s = 20.0  # Ray actors are fresh interpreters: they need seconds before they can hang
+    with fault_models.registered() as arch:
+        model = tiny_checkpoint(arch, overrides=fault_overrides("hang", "load_weights"))
+        start = time.monotonic()
+        with pytest.raises(WorkerStartupError) as info:
+            LLM(str(model), **ENGINE, ready_timeout_s=timeout_s)
+    seconds = time.monotonic() - start
+    message = str(info.value)
+    assert f"Worker rank 1 was not ready within {timeout_s:g} s (ready_timeout_s" in message
+    assert "check that Ray has 2 free CPUs" in message
+    assert "fault_models.py" in message and "_maybe_fail" in message and "load_model" in message
+    assert timeout_s <= seconds < timeout_s * 1.5
+    assert not wait_gone(actor_processes(), timeout=10), "the hung engine's actors were not killed"

@@ -32,63 +32,49 @@ shared memory and starts a resource-sharer thread and socket that outlive the ca
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
 import multiprocessing
-import multiprocessing.connection
 import pickle
 import shutil
 import tempfile
 import threading
 import time
-import traceback
 import weakref
-from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
-from engine_ref.config import DEFAULT_READY_TIMEOUT_S, EngineConfig
-from engine_ref.errors import EngineDeadError, EngineRefError, WorkerStartupError
+from engine_ref.config import EngineConfig
+from engine_ref.errors import EngineDeadError
 from engine_ref.executor.abstract import Executor
-from engine_ref.isolation import RemoteTraceback, WarmProcess, describe_exitcode, get_mp_context, start_process
-
-if TYPE_CHECKING:
-    from engine_ref.worker.worker import Worker
+from engine_ref.executor.protocol import (
+    RpcMethod,
+    WorkerError,
+    WorkerWrapperBase,
+    not_ready_error,
+    rpc_name,
+    startup_error,
+    startup_failure,
+    worker_error,
+)
+from engine_ref.isolation import (
+    ERROR,
+    OK,
+    AnswerWait,
+    Deadline,
+    Failure,
+    WarmProcess,
+    describe_exitcode,
+    get_mp_context,
+    start_process,
+)
 
 logger = logging.getLogger(__name__)
-
-READY, FAILED, OK, ERROR = "ready", "failed", "ok", "error"  # the statuses of a worker's answers
-
-RpcMethod = str | Callable[..., Any]
-
-
-class WorkerError(EngineRefError):
-    """A worker raised while serving a call; the message and ``__cause__`` hold its traceback."""
-
-    def __init__(self, message: str, rank: int, remote_traceback: str) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.remote_traceback = remote_traceback
 
 
 def _send(conn: Connection, obj: Any) -> None:
     conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _recv(conn: Connection) -> Any:
-    return pickle.loads(conn.recv_bytes())
-
-
-def startup_error(rank: int, pid: int | None, what: str, remote_traceback: str | None = None) -> WorkerStartupError:
-    """WorkerStartupError naming the rank; ``remote_traceback`` (the worker's own) is its message's tail and cause."""
-    message = f"Worker rank {rank} (pid {pid}) {what}"
-    if remote_traceback:
-        message += f"\n\nTraceback of rank {rank}:\n{remote_traceback}"
-    error = WorkerStartupError(message)
-    if remote_traceback:
-        error.__cause__ = RemoteTraceback(remote_traceback)
-    return error
 
 
 @dataclass(eq=False)
@@ -115,14 +101,12 @@ class WorkerProcHandle:
         return f"rank {self.rank} (pid {self.pid}) {self.exit_status()}"
 
 
-class WorkerProc:
+class WorkerProc(WorkerWrapperBase):
     """The process of one rank: init_worker -> init_device -> load_model, READY, then serve calls."""
 
     def __init__(self, config: EngineConfig, rank: int, distributed_init_method: str, conn: Connection) -> None:
-        self.config, self.rank, self.conn = config, rank, conn
-        self.distributed_init_method = distributed_init_method
-        self.phase = "init_worker"
-        self.worker: Worker | None = None
+        super().__init__(config, rank, distributed_init_method)
+        self.conn = conn
 
     @staticmethod
     def make_worker_process(config: EngineConfig, rank: int, distributed_init_method: str) -> WorkerProcHandle:
@@ -136,51 +120,35 @@ class WorkerProc:
 
     @staticmethod
     def worker_main(config: EngineConfig, rank: int, distributed_init_method: str, conn: Connection) -> None:
-        """The target of a worker process: start up, answer READY (or FAILED), then serve calls."""
+        """The target of a worker process: start up, answer (OK: READY, or ERROR), then serve calls."""
         proc = WorkerProc(config, rank, distributed_init_method, conn)
-        try:
-            worker = proc.start_worker()
-        except BaseException:  # noqa: BLE001 - reported to the parent verbatim
-            _send(conn, (FAILED, (proc.phase, traceback.format_exc())))
+        answer = proc.start_worker()
+        _send(conn, answer)
+        if answer[0] != OK:
             return
-        _send(conn, (READY, None))
         try:
             proc.worker_busy_loop()
         finally:
-            worker.shutdown()
-
-    def start_worker(self) -> Worker:
-        """init_worker -> init_device (joins the process group: waits for every rank) -> load_model."""
-        from engine_ref.worker.worker import Worker
-
-        self.worker = worker = Worker(self.config, self.rank, self.distributed_init_method)
-        self.phase = "init_device"
-        worker.init_device()
-        self.phase = "load_model"
-        worker.load_model()
-        return worker
+            proc.shutdown()
 
     def worker_busy_loop(self) -> None:
         """Serve ``(method, args, kwargs)`` calls until the shutdown message (None) or the pipe closes."""
         while True:
             try:
-                message = _recv(self.conn)
+                message = pickle.loads(self.conn.recv_bytes())
             except EOFError:
                 return
             if message is None:
                 return
             method, args, kwargs = message
-            try:
-                if isinstance(method, str):
-                    func = getattr(self.worker, method)
-                else:  # a cloudpickled callable, called with the worker first (as in vLLM)
-                    import cloudpickle
+            if isinstance(method, bytes):  # a cloudpickled callable
+                import cloudpickle
 
-                    func = functools.partial(cloudpickle.loads(method), self.worker)
-                payload = pickle.dumps((OK, func(*args, **kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception:  # noqa: BLE001 - the parent raises it, naming this rank
-                payload = pickle.dumps((ERROR, traceback.format_exc()), protocol=pickle.HIGHEST_PROTOCOL)
-            self.conn.send_bytes(payload)
+                method = cloudpickle.loads(method)
+            try:
+                _send(self.conn, self.execute_method(method, args, kwargs))
+            except Exception as e:  # noqa: BLE001 - the result does not pickle
+                _send(self.conn, (ERROR, Failure.capture(e)))
 
 
 class MultiprocExecutor(Executor):
@@ -208,7 +176,7 @@ class MultiprocExecutor(Executor):
             for rank in range(self.world_size):  # all of them before waiting on any
                 self.workers.append(
                     WorkerProc.make_worker_process(self.config, rank, self.distributed_init_method))
-            self._wait_for_ready(self.config.parallel_config.ready_timeout_s or DEFAULT_READY_TIMEOUT_S)
+            self._wait_for_ready(Deadline(self.config.parallel_config.ready_timeout_s))
             self._ready = True
             # Every group is formed: gloo and nccl need the store no more, so a parent killed from
             # now on leaves no directory behind.
@@ -220,44 +188,22 @@ class MultiprocExecutor(Executor):
         self._monitor = threading.Thread(target=self._monitor_workers, daemon=True, name="WorkerMonitor")
         self._monitor.start()
 
-    def _wait_for_ready(self, timeout: float) -> None:
+    def _wait_for_ready(self, deadline: Deadline) -> None:
         """Return once every worker answered READY; raise WorkerStartupError at the first failure."""
-        pending = {w.conn: w for w in self.workers}
-        sentinels = {w.proc.sentinel: w for w in self.workers}
-        deadline = time.monotonic() + timeout
-        while pending:
-            ready = multiprocessing.connection.wait([*pending, *sentinels],
-                                                    timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise self._ready_timeout_error(list(pending.values()), timeout)
-            for worker in self.workers:  # messages first: a worker that reported a failure also exited
-                if worker.conn in pending and worker.conn.poll():
-                    try:
-                        status, detail = _recv(worker.conn)
-                    except EOFError:  # it died without a word
-                        raise startup_error(worker.rank, worker.pid,
-                                            f"{worker.exit_status()} during startup, before it was ready.") from None
-                    if status == FAILED:
-                        phase, remote_traceback = detail
-                        last_line = remote_traceback.strip().splitlines()[-1]
-                        raise startup_error(worker.rank, worker.pid, f"failed in {phase}: {last_line}",
-                                            remote_traceback)
-                    del pending[worker.conn]
-                elif worker.proc.sentinel in ready:
-                    when = "before" if worker.conn in pending else "after"
-                    raise startup_error(worker.rank, worker.pid,
-                                        f"{worker.exit_status()} during startup, {when} it was ready.")
-
-    def _ready_timeout_error(self, pending: list[WorkerProcHandle], timeout: float) -> WorkerStartupError:
-        stacks = "\n".join(f"--- rank {w.rank} (pid {w.pid}) ---\n{w.proc.dump_stacks() or '(none could be read)'}"
-                           for w in pending)
-        ranks = ", ".join(str(w.rank) for w in pending)
-        were = "was" if len(pending) == 1 else "were"
-        return WorkerStartupError(
-            f"Worker rank {ranks} {were} not ready within {timeout:g} s (ready_timeout_s / "
-            f"ENGINE_REF_READY_TIMEOUT_S) and {were} killed. Raise ready_timeout_s if loading is only slow. "
-            f"Python stacks at the timeout:\n{stacks}"
-        )
+        wait = AnswerWait({w: w.conn for w in self.workers}, {w: w.proc.sentinel for w in self.workers}, deadline,
+                          watch_answered=True)
+        ready: set[WorkerProcHandle] = set()
+        for worker, message in wait:
+            if message is None:  # it died without a word
+                when = "after" if worker in ready else "before"
+                raise startup_error(worker.rank, worker.pid,
+                                    f"{worker.exit_status()} during startup, {when} it was ready.")
+            status, failure = pickle.loads(message)
+            if status == ERROR:
+                raise startup_failure(worker.rank, worker.pid, failure)
+            ready.add(worker)
+        if wait.pending:
+            raise not_ready_error({w.rank: (w.pid, w.proc.dump_stacks()) for w in wait.pending}, deadline.seconds)
 
     def _monitor_workers(self) -> None:
         """Notice the first worker to die: mark the engine dead and kill the other workers."""
@@ -294,7 +240,7 @@ class MultiprocExecutor(Executor):
         or a call that outlives ``timeout`` seconds (TimeoutError), leaves the engine dead: its ranks
         can no longer be trusted to be in step.
         """
-        name = method if isinstance(method, str) else getattr(method, "__qualname__", "a function")
+        name = rpc_name(method)
         if not isinstance(method, str):
             import cloudpickle
 
@@ -307,38 +253,24 @@ class MultiprocExecutor(Executor):
                     worker.conn.send_bytes(payload)
                 except OSError:
                     self._raise_dead(worker, name)
-            return self._gather(name, timeout)
+            return self._gather(name, Deadline(timeout))
 
-    def _gather(self, name: str, timeout: float | None) -> list[Any]:
+    def _gather(self, name: str, deadline: Deadline) -> list[Any]:
         results: dict[int, Any] = {}
         errors: list[WorkerError] = []
-        pending = {w.conn: w for w in self.workers}
-        sentinels = {w.proc.sentinel: w for w in self.workers}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while pending:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = multiprocessing.connection.wait([*pending, *sentinels], timeout=remaining)
-            for worker in [pending[c] for c in ready if c in pending]:
-                del pending[worker.conn]
-                try:
-                    status, value = _recv(worker.conn)
-                except EOFError:
-                    self._raise_dead(worker, name)
-                if status == OK:
-                    results[worker.rank] = value
-                    continue
-                last_line = value.strip().splitlines()[-1]
-                error = WorkerError(f"{name} failed on rank {worker.rank}: {last_line}\n\n"
-                                    f"Traceback of rank {worker.rank}:\n{value}", worker.rank, value)
-                error.__cause__ = RemoteTraceback(value)
-                errors.append(error)
-                grace = time.monotonic() + self.rpc_error_grace_s  # the others may be waiting for it in a collective
-                deadline = grace if deadline is None else min(deadline, grace)
-            dead = [sentinels[s] for s in ready if s in sentinels]
-            if dead:
-                self._raise_dead(min(dead, key=lambda w: w.rank), name)
-            if not ready:
-                self._timed_out(name, list(pending.values()), timeout, errors)
+        wait = AnswerWait({w: w.conn for w in self.workers}, {w: w.proc.sentinel for w in self.workers}, deadline,
+                          watch_answered=True)
+        for worker, message in wait:
+            if message is None:
+                self._raise_dead(worker, name)
+            status, value = pickle.loads(message)
+            if status == OK:
+                results[worker.rank] = value
+                continue
+            errors.append(worker_error(name, worker.rank, value))
+            deadline.shorten(self.rpc_error_grace_s)  # the others may be waiting for it in a collective
+        if wait.pending:
+            self._timed_out(name, list(wait.pending), deadline.seconds, errors)
         if errors:
             raise min(errors, key=lambda e: e.rank)
         return [results[w.rank] for w in self.workers]
@@ -377,10 +309,8 @@ class MultiprocExecutor(Executor):
         try:
             if polite:
                 for worker in self.workers:
-                    try:
+                    with suppress(OSError):
                         worker.conn.send_bytes(pickle.dumps(None))
-                    except OSError:
-                        pass
                 deadline = time.monotonic() + self.shutdown_grace_s
                 for worker in self.workers:
                     worker.proc.join(max(0.0, deadline - time.monotonic()))
