@@ -7,7 +7,6 @@ a device.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from engine_ref import envs
 from engine_ref.errors import ConfigError, MissingConfigField
 from engine_ref.kv_cache.sizing import default_max_num_batched_tokens
-from engine_ref.utils import parse_size
+from engine_ref.utils import cdiv, format_bytes, host_memory_bytes, parse_size, read_json
 
 if TYPE_CHECKING:
     import torch
@@ -31,11 +30,16 @@ DTYPES = {
     "float16": "float16", "half": "float16", "fp16": "float16",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
 }
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 LOAD_FORMATS = ("safetensors", "dummy", "pt")
 DEVICES = ("cpu", "cuda")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 DEFAULT_CPU_DEVICE_MEMORY = "4GiB"
 DEFAULT_READY_TIMEOUT_S = 300.0
+#: The most tokens a context (max_model_len, max_position_embeddings) or a batch may hold: above any published model.
+MAX_TOKENS_LIMIT = 2**24
+CONFIG_JSON_MAX_BYTES = 16 * 1024**2  # published config.json files are a few KiB
+CONFIG_JSON_MAX_DEPTH = 32
 
 
 # transformers' ``attribute_map`` of each bundled model type: an alias config.json may use -> the name
@@ -101,12 +105,19 @@ class HFConfig(dict):
 
     @classmethod
     def from_file(cls, path: Path) -> HFConfig:
+        """Read a config.json: a JSON object of at most CONFIG_JSON_MAX_BYTES, nested at most CONFIG_JSON_MAX_DEPTH."""
         try:
-            return json.loads(path.read_text(), object_hook=cls)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON ({e}); fix or regenerate config.json.") from None
+            config = read_json(path, max_bytes=CONFIG_JSON_MAX_BYTES, max_depth=CONFIG_JSON_MAX_DEPTH,
+                               object_hook=cls)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"{path} is not valid JSON for a config.json ({e}); fix or regenerate "
+                              f"config.json.") from None
+        if not isinstance(config, HFConfig):
+            raise ConfigError(f"{path} holds a JSON {type(config).__name__}, not an object; config.json must be "
+                              f"one JSON object such as {{\"architectures\": [\"LlamaForCausalLM\"], ...}}.")
+        return config
 
 
 def get_text_config(hf_config: ConfigT) -> ConfigT:
@@ -114,9 +125,11 @@ def get_text_config(hf_config: ConfigT) -> ConfigT:
     return hf_config.get("text_config") or hf_config
 
 
-def _positive_int(name: str, value: Any) -> None:
+def _positive_int(name: str, value: Any, limit: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{name}={value!r} must be a positive integer.")
+    if limit is not None and value > limit:
+        raise ConfigError(f"{name}={value} is larger than engine_ref supports (at most {limit}); lower it.")
 
 
 @dataclass
@@ -162,13 +175,15 @@ class ModelConfig:
                 f"num_key_value_heads={kv_heads}; grouped-query attention needs whole groups, fix config.json."
             )
         max_position = text.get("max_position_embeddings")
+        if max_position is not None:
+            _positive_int(f"{config_path}: max_position_embeddings", max_position, MAX_TOKENS_LIMIT)
         if self.max_model_len is None:
             if max_position is None:
                 raise ConfigError(
                     f"{config_path} has no max_position_embeddings; pass max_model_len explicitly."
                 )
             self.max_model_len = max_position
-        _positive_int("max_model_len", self.max_model_len)
+        _positive_int("max_model_len", self.max_model_len, MAX_TOKENS_LIMIT)
         if max_position is not None and self.max_model_len > max_position:
             raise ConfigError(
                 f"max_model_len={self.max_model_len} exceeds max_position_embeddings={max_position} of "
@@ -307,7 +322,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is not None:
-            _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+            _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, MAX_TOKENS_LIMIT)
         _positive_int("max_num_seqs", self.max_num_seqs)
 
 
@@ -343,6 +358,51 @@ class EngineConfig:
                 raise ConfigError(
                     f"device='cuda' but this torch build ({torch.__version__}) has no CUDA; use device='cpu'."
                 )
+
+    def verify_device_memory(self) -> None:
+        """Before any worker starts: refuse sizes that cannot fit one rank's device, whatever the profile run finds.
+
+        Each need is a lower bound of what a rank allocates (the embedding shard, the profile batch's
+        hidden states, one max_model_len request's KV cache, an explicit block count), so a ConfigError
+        here is certain, and comes in milliseconds rather than as a MemoryError from the workers.
+        On CPU the simulated device memory must also exist in this host, which backs it.
+        """
+        capacity = self.device_config.capacity_bytes
+        if capacity is None:  # CUDA without device_memory: the worker reads the GPU's own
+            return
+        if self.device_config.device == "cpu" and capacity > (host := host_memory_bytes()):
+            raise ConfigError(
+                f"device_memory={self.device_config.device_memory!r} ({format_bytes(capacity)}) exceeds this host's "
+                f"memory ({format_bytes(host)}), which holds the simulated CPU device; lower device_memory "
+                f"(--device-memory) to at most {format_bytes(host)}.")
+        model, tp = self.model_config, self.parallel_config.tensor_parallel_size
+        text, itemsize = model.hf_text_config, DTYPE_BYTES[model.dtype]
+        block_size = self.cache_config.block_size
+        block_bytes = (2 * block_size * max(1, model.num_key_value_heads // tp) * model.head_dim * itemsize
+                       * model.num_hidden_layers)
+        budget = int(capacity * self.cache_config.gpu_memory_utilization)
+        tokens = cast(int, self.scheduler_config.max_num_batched_tokens)
+        needs = [
+            (cdiv(text.vocab_size, tp) * text.hidden_size * itemsize,
+             f"config.json's vocab_size={text.vocab_size} x hidden_size={text.hidden_size} (the embedding, "
+             f"{'split over' if tp > 1 else 'on'} {tp} rank(s))", "the model does not fit: raise tensor_parallel_size"),
+            (tokens * text.hidden_size * itemsize,
+             f"max_num_batched_tokens={tokens} (the profile run's batch) x hidden_size={text.hidden_size}",
+             "lower max_num_batched_tokens and max_model_len"),
+            (cdiv(cast(int, model.max_model_len), block_size) * block_bytes,
+             f"max_model_len={model.max_model_len} (one request's KV cache)",
+             f"lower max_model_len to at most {budget // block_bytes * block_size}"),
+        ]
+        if self.cache_config.num_gpu_blocks_override is not None:
+            blocks = self.cache_config.num_gpu_blocks_override
+            needs.append((blocks * block_bytes, f"num_gpu_blocks_override={blocks} (KV blocks)",
+                          f"lower num_gpu_blocks_override to at most {budget // block_bytes}"))
+        for need, what, fix in needs:
+            if need > budget:
+                utilization = self.cache_config.gpu_memory_utilization
+                raise ConfigError(
+                    f"{what} needs {format_bytes(need)} per rank, more than the {utilization} x "
+                    f"{format_bytes(capacity)} of device memory it may use; {fix}, or raise device_memory.")
 
 
 def tensor_parallel_dims(hf_config: Mapping[str, Any]) -> dict[str, int]:

@@ -1,9 +1,17 @@
-"""Environment variables engine_ref reads, in one place. Read at call time, never cached."""
+"""Environment variables engine_ref reads, in one place. Read at call time, never cached.
+
+A value that does not parse raises ConfigError naming the variable, its value and what it takes.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
+
+from engine_ref.errors import ConfigError
+
+WORKER_MULTIPROC_METHODS = ("forkserver", "spawn", "fork")
 
 
 def cache_root() -> Path:
@@ -23,12 +31,33 @@ def allowed_plugins() -> list[str] | None:
     return [name.strip() for name in value.split(",") if name.strip()]
 
 
+def positive_seconds(name: str) -> float | None:
+    """The environment variable ``name`` as a finite, positive number of seconds; None when unset or empty."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ConfigError(f"{name}={value!r} is not a number of seconds; set it to a finite positive number "
+                          f"such as 300, or unset it.")
+    return seconds
+
+
+
 def ready_timeout_s() -> float | None:
     """ENGINE_REF_READY_TIMEOUT_S: how long workers may take to load before startup fails."""
-    value = os.environ.get("ENGINE_REF_READY_TIMEOUT_S")
-    return float(value) if value else None
+    return positive_seconds("ENGINE_REF_READY_TIMEOUT_S")
+
+
 
 
 def worker_multiproc_method() -> str:
     """ENGINE_REF_WORKER_MULTIPROC_METHOD: forkserver (default), spawn or fork."""
-    return os.environ.get("ENGINE_REF_WORKER_MULTIPROC_METHOD", "forkserver")
+    value = os.environ.get("ENGINE_REF_WORKER_MULTIPROC_METHOD", "").strip() or "forkserver"
+    if value not in WORKER_MULTIPROC_METHODS:
+        raise ConfigError(f"ENGINE_REF_WORKER_MULTIPROC_METHOD={value!r} is unknown; use one of "
+                          f"{', '.join(WORKER_MULTIPROC_METHODS)}, or unset it.")
+    return value

@@ -29,8 +29,10 @@ LLAVA = "LlavaForConditionalGeneration"
 SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "p": 1000**5, "pb": 1000**5,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "pib": 1024**5,
 }
+ONE_PIB = 1024**5  # the largest size the engine accepts
 
 
 def write_model_dir(path: Path, architecture: str = LLAMA, overrides: dict[str, Any] | None = None,
@@ -238,13 +240,23 @@ _spaces = st.sampled_from(["", " ", "  "])
 def test_parse_size_round_trips_integers_in_every_unit(count: int, unit: str, upper: bool, before: str,
                                                       between: str, after: str) -> None:
     text = f"{before}{count}{between}{unit.upper() if upper else unit}{after}"
-    assert parse_size(text, "device_memory") == count * SIZE_UNITS[unit]
+    size = count * SIZE_UNITS[unit]
+    if size <= ONE_PIB:
+        assert parse_size(text, "device_memory") == size
+    else:
+        with pytest.raises(ConfigError, match=rf"^device_memory={re.escape(repr(text))} is larger than any device "
+                                              rf".*write at most '1PiB'"):
+            parse_size(text, "device_memory")
 
 
 @given(st.integers(1, 2**64))
-def test_parse_size_keeps_byte_counts(count: int) -> None:
-    assert parse_size(count) == count
-    assert parse_size(str(count)) == count
+def test_parse_size_keeps_byte_counts_up_to_one_pib(count: int) -> None:
+    for value in (count, str(count)):
+        if count <= ONE_PIB:
+            assert parse_size(value) == count
+        else:
+            with pytest.raises(ConfigError, match="is larger than any device"):
+                parse_size(value)
 
 
 def test_parse_size_fractions() -> None:
@@ -350,3 +362,117 @@ def test_gpu_memory_utilization_valid_iff_in_unit_interval(value: float) -> None
     else:
         with pytest.raises(ConfigError, match=re.escape(f"gpu_memory_utilization={value!r} must be in (0, 1]")):
             CacheConfig(gpu_memory_utilization=value)
+
+
+# -- malformed config.json files, absurd sizes and environment variables ----------------------------
+
+CONFIG_FILES = {
+    # name: (config.json bytes, what the message must say besides the file's path)
+    "json-list": (b'["LlamaForCausalLM"]', "holds a JSON list, not an object"),
+    "json-string": (b'"LlamaForCausalLM"', "holds a JSON str, not an object"),
+    "binary": (bytes(range(256)) * 4, "not UTF-8 text"),
+    "nested-100000-deep": (b"[" * 100_000 + b"]" * 100_000, "nested deeper than 32 levels"),
+    "nested-33-deep": (b'{"architectures": ["LlamaForCausalLM"], "x": ' + b"[" * 33 + b"]" * 33 + b"}",
+                       "nested deeper than 32 levels"),
+    "17-MiB": (b'{"architectures": ["LlamaForCausalLM"]' + b" " * (17 * 1024**2) + b"}",
+               f"larger than {16 * 1024**2} bytes"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIG_FILES))
+def test_malformed_config_json_is_a_config_error_naming_the_file(name: str, tmp_path: Path) -> None:
+    content, needle = CONFIG_FILES[name]
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        create_config(tmp_path)
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path}/config.json ") and needle in message, message
+    assert "regenerate config.json" in message or "JSON object" in message, message
+
+
+@pytest.mark.parametrize("value", [10**12, 1e12, 2**24 + 1, 0, "4096", True])
+def test_max_position_embeddings_out_of_bounds_names_the_file(value: Any, tmp_path: Path) -> None:
+    model = write_model_dir(tmp_path, overrides={"max_position_embeddings": value})
+    with pytest.raises(ConfigError) as info:
+        create_config(model)
+    assert str(info.value).startswith(f"{model}/config.json: max_position_embeddings={value!r} "), info.value
+
+
+def test_max_position_embeddings_at_the_limit_is_accepted(tmp_path: Path) -> None:
+    model = write_model_dir(tmp_path, overrides={"max_position_embeddings": 2**24})
+    assert create_config(model, max_model_len=64).model_config.max_model_len == 64
+
+
+@pytest.mark.parametrize("field", ["max_model_len", "max_num_batched_tokens"])
+def test_token_counts_above_the_limit_are_refused(field: str, tmp_path: Path) -> None:
+    model = write_model_dir(tmp_path, overrides={"max_position_embeddings": 2**24})
+    with pytest.raises(ConfigError, match=rf"^{field}={2**24 + 1} is larger than engine_ref supports "
+                                          rf"\(at most {2**24}\)"):
+        create_config(model, **{field: 2**24 + 1})
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", "-inf", "-1", "0", "1e999"])
+def test_ready_timeout_env_var_is_validated(value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ENGINE_REF_READY_TIMEOUT_S", value)
+    with pytest.raises(ConfigError, match=rf"^ENGINE_REF_READY_TIMEOUT_S={re.escape(repr(value))} is not a number "
+                                          rf"of seconds"):
+        create_config(write_model_dir(tmp_path))
+
+
+def test_ready_timeout_env_var_sets_the_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ENGINE_REF_READY_TIMEOUT_S", " 12.5 ")
+    assert create_config(write_model_dir(tmp_path)).parallel_config.ready_timeout_s == 12.5
+    monkeypatch.setenv("ENGINE_REF_READY_TIMEOUT_S", "")
+    assert create_config(write_model_dir(tmp_path)).parallel_config.ready_timeout_s == 300.0
+
+
+def test_worker_multiproc_method_env_var_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine_ref import envs
+
+    monkeypatch.setenv("ENGINE_REF_WORKER_MULTIPROC_METHOD", "threads")
+    with pytest.raises(ConfigError, match=r"^ENGINE_REF_WORKER_MULTIPROC_METHOD='threads' is unknown; use one of "
+                                          r"forkserver, spawn, fork"):
+        envs.worker_multiproc_method()
+    monkeypatch.setenv("ENGINE_REF_WORKER_MULTIPROC_METHOD", "spawn")
+    assert envs.worker_multiproc_method() == "spawn"
+
+
+# The tiny Llama: vocab 256 x hidden 64 in float32, 2 layers of 2 KV heads of 16: 512 KV bytes per token.
+DEVICE_NEEDS = {
+    # name: (config.json overrides, engine arguments, the start of the message, the field a fix names)
+    "embedding": ({"vocab_size": 2**22}, {"device_memory": "64MiB", "max_model_len": 64},
+                  "config.json's vocab_size=4194304 x hidden_size=64 (the embedding, on 1 rank(s)) needs 1.00 GiB",
+                  "raise tensor_parallel_size"),
+    "profile-batch": ({}, {"device_memory": "64MiB", "max_model_len": 64, "max_num_batched_tokens": 2**20},
+                      "max_num_batched_tokens=1048576 (the profile run's batch) x hidden_size=64 needs 256.00 MiB",
+                      "lower max_num_batched_tokens"),
+    "one-request-kv": ({"max_position_embeddings": 2**21}, {"device_memory": "1GiB"},
+                       "max_model_len=2097152 (one request's KV cache) needs 1.00 GiB", "max_model_len"),
+    "block-count": ({}, {"device_memory": "64MiB", "max_model_len": 64, "num_gpu_blocks_override": 10**9},
+                    "num_gpu_blocks_override=1000000000 (KV blocks) needs 7629.39 GiB", "num_gpu_blocks_override"),
+}
+
+
+@pytest.mark.parametrize("name", list(DEVICE_NEEDS))
+def test_sizes_that_cannot_fit_the_device_are_refused_before_any_worker(name: str, tmp_path: Path) -> None:
+    overrides, kwargs, start, fix_field = DEVICE_NEEDS[name]
+    config = create_config(write_model_dir(tmp_path, overrides=overrides), **kwargs)
+    with pytest.raises(ConfigError) as info:
+        config.verify_device_memory()
+    message = str(info.value)
+    assert message.startswith(start), message
+    assert "per rank, more than the 0.9 x " in message and message.endswith("or raise device_memory."), message
+    bound = re.search(rf"lower {fix_field} to at most (\d+)", message)
+    if bound:  # the suggested value passes the same check
+        fixed = {**kwargs, fix_field: int(bound.group(1))}
+        create_config(write_model_dir(tmp_path, overrides=overrides), **fixed).verify_device_memory()
+    else:
+        assert fix_field in message
+
+
+def test_simulated_cpu_memory_must_exist_in_the_host(tmp_path: Path) -> None:
+    config = create_config(write_model_dir(tmp_path), device_memory="1PiB")
+    with pytest.raises(ConfigError, match=r"^device_memory='1PiB' \(1048576\.00 GiB\) exceeds this host's memory "
+                                          r"\([\d.]+ GiB\), which holds the simulated CPU device; lower device_memory"):
+        config.verify_device_memory()
+    create_config(write_model_dir(tmp_path), device_memory="64MiB").verify_device_memory()
