@@ -7,7 +7,8 @@ a device.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -36,6 +37,8 @@ DEVICES = ("cpu", "cuda")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 DEFAULT_CPU_DEVICE_MEMORY = "4GiB"
 DEFAULT_READY_TIMEOUT_S = 300.0
+DEFAULT_RPC_TIMEOUT_S = 300.0
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 #: The most tokens a context (max_model_len, max_position_embeddings) or a batch may hold: above any published model.
 MAX_TOKENS_LIMIT = 2**24
 CONFIG_JSON_MAX_BYTES = 16 * 1024**2  # published config.json files are a few KiB
@@ -130,6 +133,15 @@ def _positive_int(name: str, value: Any, limit: int | None = None) -> None:
         raise ConfigError(f"{name}={value!r} must be a positive integer.")
     if limit is not None and value > limit:
         raise ConfigError(f"{name}={value} is larger than engine_ref supports (at most {limit}); lower it.")
+
+
+def _seconds(name: str, value: Any, from_env: Callable[[], float | None], default: float) -> float:
+    """``value``, else its environment variable, else ``default``: a finite positive number of seconds."""
+    if value is None:
+        value = from_env() or default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ConfigError(f"{name}={value!r} must be a finite positive number of seconds.")
+    return float(value)
 
 
 @dataclass
@@ -240,7 +252,9 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
-    ready_timeout_s: float | None = None
+    ready_timeout_s: float | None = None  # workers' startup, and the rendezvous of the process group
+    rpc_timeout_s: float | None = None  # each call to the workers after startup (a generate step)
+    collective_timeout_s: float | None = None  # each collective of the TP group (gloo/nccl)
 
     def __post_init__(self) -> None:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
@@ -256,10 +270,11 @@ class ParallelConfig:
                 f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size="
                 f"{self.tensor_parallel_size}; use 'mp' or 'ray', or tensor_parallel_size=1."
             )
-        if self.ready_timeout_s is None:
-            self.ready_timeout_s = envs.ready_timeout_s() or DEFAULT_READY_TIMEOUT_S
-        if not self.ready_timeout_s > 0:
-            raise ConfigError(f"ready_timeout_s={self.ready_timeout_s!r} must be a positive number of seconds.")
+        self.ready_timeout_s = _seconds("ready_timeout_s", self.ready_timeout_s, envs.ready_timeout_s,
+                                        DEFAULT_READY_TIMEOUT_S)
+        self.rpc_timeout_s = _seconds("rpc_timeout_s", self.rpc_timeout_s, envs.rpc_timeout_s, DEFAULT_RPC_TIMEOUT_S)
+        self.collective_timeout_s = _seconds("collective_timeout_s", self.collective_timeout_s,
+                                             envs.collective_timeout_s, DEFAULT_COLLECTIVE_TIMEOUT_S)
 
     @property
     def world_size(self) -> int:

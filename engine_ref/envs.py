@@ -52,6 +52,16 @@ def ready_timeout_s() -> float | None:
     return positive_seconds("ENGINE_REF_READY_TIMEOUT_S")
 
 
+def rpc_timeout_s() -> float | None:
+    """ENGINE_REF_RPC_TIMEOUT_S: how long each call to the workers (a generate step) may take."""
+    return positive_seconds("ENGINE_REF_RPC_TIMEOUT_S")
+
+
+def collective_timeout_s() -> float | None:
+    """ENGINE_REF_COLLECTIVE_TIMEOUT_S: how long a rank waits for the others in one collective (an all-reduce)."""
+    return positive_seconds("ENGINE_REF_COLLECTIVE_TIMEOUT_S")
+
+
 
 
 def worker_multiproc_method() -> str:

@@ -26,8 +26,10 @@ import torch
 
 from engine_ref import LLM
 from engine_ref.entrypoints.cli import main as cli_main
-from engine_ref.errors import EngineDeadError, WorkerStartupError
+from engine_ref.config import ParallelConfig
+from engine_ref.errors import ConfigError, EngineDeadError, WorkerStartupError
 from engine_ref.executor.multiproc import MultiprocExecutor, WorkerError
+from engine_ref.executor.protocol import RpcTimeoutError
 from engine_ref.isolation import RemoteTraceback, get_mp_context, run_isolated
 from engine_ref.model_executor.model_loader.checkpoint import example_config
 from tests import fault_models
@@ -286,6 +288,80 @@ def test_monitor_notices_a_dead_worker_within_a_second(llama: Path, sig: signal.
         with pytest.raises(EngineDeadError, match=expected.replace("(", r"\(").replace(")", r"\)")):
             llm.generate(PROMPTS, max_tokens=1)
         assert not wait_gone([other], timeout=1.0), "the other rank must be taken down with the engine"
+
+
+# -- a worker that stops answering (SIGSTOP) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["config", "env"])
+def test_a_stopped_worker_fails_generate_within_the_rpc_timeout(llama: Path, how: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 stopped: rank 0 waits for it in an all-reduce, and generate raises at rpc_timeout_s, not never."""
+    timeout_s = 2.0
+    kwargs: dict[str, Any] = {}
+    if how == "config":
+        kwargs["rpc_timeout_s"] = timeout_s
+    else:
+        monkeypatch.setenv("ENGINE_REF_RPC_TIMEOUT_S", str(timeout_s))
+    with LLM(str(llama), tensor_parallel_size=2, **ENGINE, **kwargs) as llm:
+        pids = [w.pid for w in llm.startup_report.workers]
+        os.kill(pids[1], signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RpcTimeoutError) as info:
+            llm.generate(PROMPTS, max_tokens=MAX_TOKENS, ignore_eos=True)
+        seconds = time.monotonic() - start
+        assert timeout_s <= seconds < timeout_s + 3, seconds
+        assert not wait_gone(pids, timeout=1.0), "the workers are killed with the engine, before any shutdown"
+    error = info.value
+    assert isinstance(error, EngineDeadError) and isinstance(error, TimeoutError)
+    assert (error.method, error.ranks) == ("execute_model", [0, 1])
+    assert str(error).startswith("execute_model did not finish on rank 0, 1 within 2 s (rpc_timeout_s / "
+                                 "ENGINE_REF_RPC_TIMEOUT_S); the engine is dead and its workers were killed.")
+    # Rank 0 waits in the all-reduce; rank 1 stopped where it waited for the call, and was continued to dump.
+    assert "in all_reduce" in error.stacks[0] and "in execute_model" in error.stacks[0]
+    assert error.stacks[1].startswith("It was stopped (SIGSTOP, or a debugger)")
+    assert "in worker_busy_loop" in error.stacks[1]
+    assert f"--- rank 1 (pid {pids[1]}) ---\nIt was stopped" in str(error)
+
+
+def test_the_collective_timeout_is_its_own_setting(llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short collective timeout (not the ready timeout) ends rank 0's wait; the stopped rank is blamed."""
+    monkeypatch.setattr(MultiprocExecutor, "rpc_error_grace_s", 1.0)
+    with LLM(str(llama), tensor_parallel_size=2, collective_timeout_s=1.5, ready_timeout_s=120, **ENGINE) as llm:
+        pids = [w.pid for w in llm.startup_report.workers]
+        os.kill(pids[1], signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RpcTimeoutError) as info:
+            llm.generate(PROMPTS, max_tokens=MAX_TOKENS, ignore_eos=True)
+        seconds = time.monotonic() - start
+    assert 1.5 + 1.0 <= seconds < 1.5 + 1.0 + 3, "the collective timeout, then the grace for the stuck rank"
+    assert info.value.ranks == [1]
+    assert str(info.value).startswith("execute_model did not finish on rank 1 within 1 s after rank 0 raised; ")
+    assert ("Rank 0 raised meanwhile: execute_model failed on rank 0: engine_ref.distributed.parallel_state."
+            "CollectiveTimeoutError: all_reduce over the TP group timed out on rank 0 after 1.5 s "
+            "(collective_timeout_s / ENGINE_REF_COLLECTIVE_TIMEOUT_S)") in str(info.value)
+    assert not wait_gone(pids, timeout=1.0)
+
+
+@pytest.mark.parametrize("variable", ["ENGINE_REF_RPC_TIMEOUT_S", "ENGINE_REF_COLLECTIVE_TIMEOUT_S"])
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "inf", "nan"])
+def test_timeout_variables_refuse_what_is_not_a_finite_positive_number(variable: str, value: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=f"^{variable}={value!r} is not a number of seconds"):
+        ParallelConfig(tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("field", ["rpc_timeout_s", "collective_timeout_s"])
+def test_timeout_fields_take_the_environment_and_refuse_bad_values(field: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    assert getattr(ParallelConfig(tensor_parallel_size=2), field) == 300.0
+    monkeypatch.setenv(f"ENGINE_REF_{field.upper()}", "7.5")
+    assert getattr(ParallelConfig(tensor_parallel_size=2), field) == 7.5
+    assert getattr(ParallelConfig(tensor_parallel_size=2, **{field: 3}), field) == 3.0, "the field wins"
+    for bad in (0, -2.0, float("inf"), "5", True):
+        with pytest.raises(ConfigError, match=f"^{field}={bad!r} must be a finite positive number of seconds"):
+            ParallelConfig(tensor_parallel_size=2, **{field: bad})
 
 
 # -- isolation between engines -----------------------------------------------------------------------

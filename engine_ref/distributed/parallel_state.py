@@ -23,6 +23,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine_ref.errors import EngineRefError
+
+
+class CollectiveTimeoutError(EngineRefError):
+    """A collective of the TP group outlived ``collective_timeout_s``: a peer rank did not take part in it."""
+
 
 @dataclass
 class GroupCoordinator:
@@ -31,11 +37,24 @@ class GroupCoordinator:
     rank_in_group: int = 0
     world_size: int = 1
     device_group: dist.ProcessGroup | None = None  # gloo on CPU, nccl on CUDA; None: simulated
+    timeout_s: float = 0.0  # of each collective, for messages
+
+    def _timed_out(self, op: str, error: RuntimeError) -> CollectiveTimeoutError:
+        """The backend's timeout (gloo: 'Timed out waiting ...') as ours, naming the setting."""
+        return CollectiveTimeoutError(
+            f"{op} over the TP group timed out on rank {self.rank_in_group} after {self.timeout_s:g} s "
+            f"(collective_timeout_s / ENGINE_REF_COLLECTIVE_TIMEOUT_S): a peer rank did not take part "
+            f"(stopped, hung, or far slower than this one). {error}")
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place. Row-parallel layers call this on their partial outputs."""
         if self.world_size > 1 and self.device_group is not None:
-            dist.all_reduce(input_, group=self.device_group)
+            try:
+                dist.all_reduce(input_, group=self.device_group)
+            except RuntimeError as e:
+                if "timed out" not in str(e).lower():
+                    raise
+                raise self._timed_out("all_reduce", e) from e
         return input_
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -48,7 +67,12 @@ class GroupCoordinator:
             for buffer in gathered:
                 buffer.copy_(local)
         else:
-            dist.all_gather(gathered, local, group=self.device_group)
+            try:
+                dist.all_gather(gathered, local, group=self.device_group)
+            except RuntimeError as e:
+                if "timed out" not in str(e).lower():
+                    raise
+                raise self._timed_out("all_gather", e) from e
         return torch.cat(gathered, dim=dim)
 
 
@@ -76,28 +100,30 @@ def tensor_parallel_state(rank: int, world_size: int) -> Iterator[GroupCoordinat
         _TP = previous
 
 
-def init_distributed_environment(world_size: int, rank: int, distributed_init_method: str,
-                                 backend: str, timeout_s: float = 300.0) -> GroupCoordinator:
+def init_distributed_environment(world_size: int, rank: int, distributed_init_method: str, backend: str,
+                                 timeout_s: float = 300.0, collective_timeout_s: float = 300.0) -> GroupCoordinator:
     """Join this engine's process group, build the TP group over all its ranks, make it current.
 
-    A collective: every rank of the engine must call it (``timeout_s`` bounds the wait for the others).
+    A collective: every rank of the engine must call it. ``timeout_s`` bounds the rendezvous (the
+    wait for the other ranks to arrive); ``collective_timeout_s`` bounds each collective of the TP
+    group afterwards, so that a rank whose peer hangs raises instead of waiting for ever.
     """
     global _TP
     if world_size == 1:
         _TP = GroupCoordinator()
         return _TP
-    timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, init_method=distributed_init_method,
-                                world_size=world_size, rank=rank, timeout=timeout)
-    _TP = initialize_model_parallel(list(range(world_size)), backend, timeout)
+                                world_size=world_size, rank=rank, timeout=timedelta(seconds=timeout_s))
+    dist.barrier()  # every rank is here: forming the TP group waits for no one, under its shorter timeout
+    _TP = initialize_model_parallel(list(range(world_size)), backend, timedelta(seconds=collective_timeout_s))
     return _TP
 
 
 def initialize_model_parallel(tp_ranks: list[int], backend: str, timeout: timedelta) -> GroupCoordinator:
     """The TP group over ``tp_ranks`` (a collective over the world group: every rank calls it)."""
     device_group = dist.new_group(tp_ranks, backend=backend, timeout=timeout)
-    return GroupCoordinator(tp_ranks.index(dist.get_rank()), len(tp_ranks), device_group)
+    return GroupCoordinator(tp_ranks.index(dist.get_rank()), len(tp_ranks), device_group, timeout.total_seconds())
 
 
 def destroy_distributed_environment() -> None:

@@ -31,6 +31,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     ready_timeout_s: float | None = None
+    rpc_timeout_s: float | None = None
+    collective_timeout_s: float | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -60,6 +62,7 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
                 ready_timeout_s=self.ready_timeout_s,
+                rpc_timeout_s=self.rpc_timeout_s, collective_timeout_s=self.collective_timeout_s,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,

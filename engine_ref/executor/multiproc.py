@@ -54,6 +54,7 @@ from engine_ref.executor.protocol import (
     WorkerWrapperBase,
     not_ready_error,
     rpc_name,
+    rpc_timeout_error,
     startup_error,
     startup_failure,
     worker_error,
@@ -237,9 +238,12 @@ class MultiprocExecutor(Executor):
         """Call ``method`` (a Worker method name, or ``fn(worker, *args)``) on every rank; results in rank order.
 
         A rank that raises raises WorkerError here, once the other ranks answered. A rank that dies,
-        or a call that outlives ``timeout`` seconds (TimeoutError), leaves the engine dead: its ranks
-        can no longer be trusted to be in step.
+        or a call that outlives ``timeout`` seconds (default ``rpc_timeout_s``; RpcTimeoutError, with the
+        stacks of the ranks that did not answer), leaves the engine dead and its workers killed: its
+        ranks can no longer be trusted to be in step.
         """
+        if timeout is None:
+            timeout = self.config.parallel_config.rpc_timeout_s
         name = rpc_name(method)
         if not isinstance(method, str):
             import cloudpickle
@@ -277,16 +281,22 @@ class MultiprocExecutor(Executor):
 
     def _timed_out(self, name: str, stuck: list[WorkerProcHandle], timeout: float | None,
                    errors: list[WorkerError]) -> NoReturn:
+        """Some ranks did not answer by the deadline: dump their stacks, kill every worker, raise.
+
+        When another rank raised and the stuck ones did not follow within the grace, that rank's error
+        is the root cause (the stuck ones wait for it in a collective), unless what it raised is its
+        collective timing out: then it was waiting for a stuck rank, which is the root cause.
+        """
         ranks = ", ".join(str(w.rank) for w in stuck)
-        if errors:
+        if errors and not any(e.type_name == "CollectiveTimeoutError" for e in errors):
             self._mark_dead(f"{name} failed on rank {errors[0].rank}, and rank {ranks} did not answer within "
                             f"{self.rpc_error_grace_s:g} s after it (stuck in a collective with it); the engine is "
                             f"dead. Start a new engine.")
             raise errors[0]
-        stacks = "\n".join(f"--- rank {w.rank} (pid {w.pid}) ---\n{w.proc.dump_stacks()}" for w in stuck)
-        self._mark_dead(f"{name} did not finish on rank {ranks} within {timeout:g} s; the engine is dead. "
-                        f"Start a new engine. Python stacks at the timeout:\n{stacks}")
-        raise TimeoutError(self.dead_reason or f"{name} did not finish within {timeout:g} s")
+        error = rpc_timeout_error(name, {w.rank: (w.pid, w.proc.dump_stacks()) for w in stuck}, timeout, errors,
+                                  self.rpc_error_grace_s)
+        self._mark_dead(str(error))
+        raise error
 
     def _raise_dead(self, worker: WorkerProcHandle, name: str) -> NoReturn:
         if self.dead_reason is None:  # else the monitor already named the first worker to die

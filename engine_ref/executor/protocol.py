@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from engine_ref.config import EngineConfig
-from engine_ref.errors import EngineRefError, WorkerStartupError
+from engine_ref.errors import EngineDeadError, EngineRefError, WorkerStartupError
 from engine_ref.isolation.answer import ERROR, OK, Answer, Failure
 
 if TYPE_CHECKING:
@@ -24,10 +24,22 @@ RpcMethod = str | Callable[..., Any]  # a Worker method's name, or fn(worker, *a
 class WorkerError(EngineRefError):
     """A worker raised while serving a call; the message and ``__cause__`` hold its traceback."""
 
-    def __init__(self, message: str, rank: int, remote_traceback: str) -> None:
+    def __init__(self, message: str, rank: int, remote_traceback: str, type_name: str = "") -> None:
         super().__init__(message)
         self.rank = rank
         self.remote_traceback = remote_traceback
+        self.type_name = type_name  # of the worker's exception: 'CollectiveTimeoutError'
+
+
+class RpcTimeoutError(EngineDeadError, TimeoutError):
+    """A call to the workers outlived its deadline (``rpc_timeout_s``): the engine is dead, its workers killed.
+
+    ``ranks``: those that did not answer; ``stacks``: rank -> its Python stacks at the deadline.
+    """
+
+    def __init__(self, message: str, method: str, ranks: list[int], stacks: dict[int, str]) -> None:
+        super().__init__(message)
+        self.method, self.ranks, self.stacks = method, ranks, stacks
 
 
 class WorkerWrapperBase:
@@ -97,10 +109,30 @@ def not_ready_error(stacks: Mapping[int, tuple[int | None, str]], timeout: float
     )
 
 
+def rpc_timeout_error(name: str, stacks: Mapping[int, tuple[int | None, str]], timeout: float | None,
+                      errors: list[WorkerError], grace_s: float | None = None) -> RpcTimeoutError:
+    """The error for ranks that did not answer ``name`` in time; ``stacks``: rank -> (pid, its stacks).
+
+    ``errors``: what the other ranks raised meanwhile (their collective timing out while they waited for a
+    stuck rank); with ``grace_s``, the wait ended that long after the first of them instead of at ``timeout``.
+    """
+    ranks = ", ".join(map(str, stacks))
+    within = (f"within {grace_s:g} s after rank {errors[0].rank} raised" if errors and grace_s is not None
+              else f"within {timeout:g} s (rpc_timeout_s / ENGINE_REF_RPC_TIMEOUT_S)")
+    raised = "".join(f"\nRank {e.rank} raised meanwhile: {str(e).splitlines()[0]}" for e in errors)
+    dumps = "\n".join(f"--- rank {rank} (pid {pid}) ---\n{text or '(none could be read)'}"
+                      for rank, (pid, text) in stacks.items())
+    return RpcTimeoutError(
+        f"{name} did not finish on rank {ranks} {within}; the engine is dead and its workers were killed. Start a "
+        f"new engine, and raise rpc_timeout_s if the call is only slow.{raised}\n"
+        f"Python stacks at the timeout:\n{dumps}",
+        name, list(stacks), {rank: text for rank, (_, text) in stacks.items()})
+
+
 def worker_error(name: str, rank: int, failure: Failure) -> WorkerError:
     """The error for a rank that answered a call with ERROR."""
     error = WorkerError(f"{name} failed on rank {rank}: {failure.last_line}\n\n"
-                        f"Traceback of rank {rank}:\n{failure.traceback}", rank, failure.traceback)
+                        f"Traceback of rank {rank}:\n{failure.traceback}", rank, failure.traceback, failure.type_name)
     error.__cause__ = failure.remote_traceback()
     return error
 

@@ -36,11 +36,13 @@ from engine_ref.executor.protocol import (
     WorkerWrapperBase,
     not_ready_error,
     rpc_name,
+    rpc_timeout_error,
     startup_error,
     startup_failure,
     worker_error,
 )
 from engine_ref.isolation import ERROR, Deadline
+from engine_ref.isolation.process import request_stacks
 from engine_ref.isolation.wait import read_burst
 
 STACK_DUMP_WAIT_S = 1.0  # at most, for an actor's faulthandler to start writing its stacks
@@ -144,27 +146,35 @@ class RayDistributedExecutor(Executor):
             return "(the actor had not started)"
         fd = os.open(self._stack_fifo(rank), os.O_RDONLY | os.O_NONBLOCK)
         try:
-            try:
-                os.kill(pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                return "(the actor is gone)"
-            return read_burst(fd, STACK_DUMP_WAIT_S)
+            note = request_stacks(pid)
+            return "(the actor is gone)" if note is None else note + read_burst(fd, STACK_DUMP_WAIT_S)
         finally:
             os.close(fd)
 
     def collective_rpc(self, method: RpcMethod, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
-        """Call ``method`` (a Worker method name, or ``fn(worker, *args)``) on every rank; results in rank order."""
+        """Call ``method`` (a Worker method name, or ``fn(worker, *args)``) on every rank; results in rank order.
+
+        A call that outlives ``timeout`` (default ``rpc_timeout_s``) raises RpcTimeoutError with the stacks
+        of the ranks that did not answer, and leaves the engine dead, its actors killed.
+        """
         ray = _import_ray()
         if self.dead_reason or self.is_shutdown:
             raise EngineDeadError(self.dead_reason or "The engine has been shut down; start a new engine.")
+        if timeout is None:
+            timeout = self.config.parallel_config.rpc_timeout_s
         name = rpc_name(method)
         refs = [a.execute_method.remote(method, args, kwargs or {}) for a in self.actors]
         try:
             answers = ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            self._mark_dead(f"{name} did not finish within {timeout:g} s; the engine is dead. Start a new engine.")
-            raise TimeoutError(self.dead_reason) from None
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            stuck = [rank for rank, ref in enumerate(refs) if ref not in done]
+            errors = [worker_error(name, rank, answer[1]) for rank, ref in enumerate(refs) if ref in done
+                      for answer in [ray.get(ref)] if answer[0] == ERROR]
+            error = rpc_timeout_error(name, {r: (self.pids[r], self._dump_stacks(r)) for r in stuck}, timeout, errors)
+            self._mark_dead(str(error))
+            raise error from None
         except ray.exceptions.RayActorError as e:
             rank = next((r for r, ref in enumerate(refs) if _failed(ray, ref)), -1)
             self._mark_dead(f"Worker rank {rank} (pid {self.pids[rank] if rank >= 0 else '?'}) died during "

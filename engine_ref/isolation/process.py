@@ -75,6 +75,31 @@ def _child_main(setup: _ChildSetup, target: Callable[..., Any], args: tuple) -> 
     target(*args)
 
 
+def _is_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (state T: SIGSTOP, SIGTSTP; t: a debugger), from /proc (False elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def request_stacks(pid: int) -> str | None:
+    """Ask ``pid`` to dump its Python stacks (SIGUSR1 to its faulthandler): None if it is gone, else a note.
+
+    A stopped process runs no handler until it is continued, so it is continued (SIGCONT) right after
+    the request: the stacks still show where it stopped. Callers kill it next. The note says so.
+    """
+    stopped = _is_stopped(pid)
+    try:
+        os.kill(pid, signal.SIGUSR1)
+        if stopped:
+            os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        return None
+    return "It was stopped (SIGSTOP, or a debugger); continued to dump its stacks.\n" if stopped else ""
+
+
 class WarmProcess:
     """A child started by ``start_process``: its Process, plus stack dumps and whole-tree kill."""
 
@@ -103,11 +128,8 @@ class WarmProcess:
 
     def dump_stacks(self, wait_s: float = 1.0) -> str:
         """The child's Python stacks (all threads), via faulthandler; empty if it is already gone."""
-        try:
-            os.kill(self.pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            return ""
-        return read_burst(self._stack_r.fileno(), wait_s)
+        note = request_stacks(self.pid)
+        return "" if note is None else note + read_burst(self._stack_r.fileno(), wait_s)
 
     def kill_tree(self) -> None:
         """SIGKILL the child and, when it leads its own process group, everything it started."""

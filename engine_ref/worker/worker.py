@@ -65,8 +65,10 @@ class Worker:
             self.memory = MemoryUsage(capacity=capacity)
             if self.world_size > 1 and self.distributed_init_method is None:
                 raise ValueError("a worker of a multi-rank engine needs a distributed_init_method")
+            parallel = self.config.parallel_config
             init_distributed_environment(self.world_size, self.rank, self.distributed_init_method or "", backend,
-                                         timeout_s=self.config.parallel_config.ready_timeout_s)
+                                         timeout_s=parallel.ready_timeout_s,
+                                         collective_timeout_s=parallel.collective_timeout_s)
             torch.manual_seed(self.config.model_config.seed)
 
     def load_model(self) -> None:
