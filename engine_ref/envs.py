@@ -46,6 +46,10 @@ def positive_seconds(name: str) -> float | None:
     return seconds
 
 
+def trace_dir() -> str | None:
+    """ENGINE_REF_TRACE_DIR: a directory where every engine start writes its startup trace (engine_ref.tracing)."""
+    return os.environ.get("ENGINE_REF_TRACE_DIR") or None
+
 
 def ready_timeout_s() -> float | None:
     """ENGINE_REF_READY_TIMEOUT_S: how long workers may take to load before startup fails."""
@@ -60,8 +64,6 @@ def rpc_timeout_s() -> float | None:
 def collective_timeout_s() -> float | None:
     """ENGINE_REF_COLLECTIVE_TIMEOUT_S: how long a rank waits for the others in one collective (an all-reduce)."""
     return positive_seconds("ENGINE_REF_COLLECTIVE_TIMEOUT_S")
-
-
 
 
 def worker_multiproc_method() -> str:

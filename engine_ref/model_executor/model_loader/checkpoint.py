@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,12 @@ def expected_tensors(hf_config: dict[str, Any], architecture: str, registry: _Mo
     return expected_checkpoint_tensors(model, model.weights_mapper)
 
 
+def _save(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    """save_file, with config.json's permissions (safetensors writes 0600, readable by its owner only)."""
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    shutil.copymode(file.parent / "config.json", file)
+
+
 def make_checkpoint(architecture: str, path: str | Path, *, seed: int = 0, dtype: str = "float32",
                     overrides: dict[str, Any] | None = None, num_shards: int = 1, fmt: str = "safetensors",
                     registry: _ModelRegistry = ModelRegistry) -> Path:
@@ -87,7 +94,7 @@ def make_checkpoint(architecture: str, path: str | Path, *, seed: int = 0, dtype
         torch.save(tensors, path / "pytorch_model.bin")
         return path
     if num_shards == 1:
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        _save(tensors, path / "model.safetensors")
         return path
     names = list(tensors)
     per_shard = math.ceil(len(names) / num_shards)
@@ -95,7 +102,7 @@ def make_checkpoint(architecture: str, path: str | Path, *, seed: int = 0, dtype
     for i in range(num_shards):
         shard_name = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
         shard = {name: tensors[name] for name in names[i * per_shard:(i + 1) * per_shard]}
-        save_file(shard, str(path / shard_name), metadata={"format": "pt"})
+        _save(shard, path / shard_name)
         weight_map.update(dict.fromkeys(shard, shard_name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

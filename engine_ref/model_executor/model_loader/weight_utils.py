@@ -12,9 +12,10 @@ tensor it only holds a shard of.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +32,16 @@ class LoadStats:
 
     bytes_read: int = 0
     tensors_read: int = 0
+    # per file: [first read start, last read end] (monotonic ns), seconds spent reading, bytes read
+    files: dict[str, list[int | float]] = field(default_factory=dict)
+
+    def record(self, origin: str, start_ns: int, end_ns: int, nbytes: int) -> None:
+        self.bytes_read += nbytes
+        self.tensors_read += 1
+        entry = self.files.setdefault(origin, [start_ns, end_ns, 0.0, 0])
+        entry[1] = end_ns
+        entry[2] += (end_ns - start_ns) / 1e9
+        entry[3] += nbytes
 
 
 class CheckpointTensor:
@@ -65,6 +76,7 @@ class CheckpointTensor:
     def load(self) -> torch.Tensor:
         """Read the selected part from disk."""
         index = self._index if self._index else ()
+        start = time.monotonic_ns()
         try:
             tensor = self._source[index] if index else self._source[...]
         except Exception as e:  # noqa: BLE001 - a truncated or corrupt file surfaces here
@@ -73,8 +85,7 @@ class CheckpointTensor:
                 f"corrupt; re-download or regenerate the checkpoint."
             ) from None
         if self._stats is not None:
-            self._stats.bytes_read += tensor.numel() * tensor.element_size()
-            self._stats.tensors_read += 1
+            self._stats.record(self.origin, start, time.monotonic_ns(), tensor.numel() * tensor.element_size())
         return tensor
 
 

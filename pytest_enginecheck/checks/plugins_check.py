@@ -1,0 +1,135 @@
+"""plugins: each installed general plugin of the target loads without CUDA and without error, in this warm
+child under the CUDA guard and again in the process state where the engine itself first loads plugins.
+
+One item per entry point, ``enginecheck::plugin:<name>::plugins`` (``ctx.plugin`` is the entry point's
+name, ``ctx.module`` its module). The target-specific part is a loader: ``LOADERS[spec]`` names a
+module exposing ``list_plugins()`` (entries with ``name``, ``value``, ``distribution``, ``module``),
+``run_plugin(entry, strict)`` (an outcome with ``accesses``, ``error``, ``traceback``, loaded under the
+guard) and ``run_in_engine_state(entry)`` (``(ok, output, what that state is)``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from pytest_enginecheck.checks import CheckContext, CheckFailure
+from pytest_enginecheck.guard import CudaAccess, CudaGuard
+
+LOADERS = {"engine_ref": "pytest_enginecheck.checks.plugins_check", "vllm": "pytest_enginecheck.vllm_adapter.plugins"}
+LABELS = {"engine_ref": "engine_ref", "vllm": "vLLM"}
+ENGINE_STATE_SCRIPT = "from engine_ref.plugins import load_general_plugins; load_general_plugins()"
+
+
+def loader(spec: str) -> Any:
+    """The plugin loader of a target spec, or None when the target has no general plugins (a registry, a mapping)."""
+    return importlib.import_module(LOADERS[spec]) if spec in LOADERS else None
+
+
+def cuda_failure(what: str, access: CudaAccess, module: str) -> CheckFailure:
+    """A guard verdict as the import check words it: the API, file:line, the import chain from ``module`` down."""
+    if module in access.chain:
+        access.chain = access.chain[access.chain.index(module):]
+    verb = "queried CUDA" if access.kind == "query" else "touched CUDA"
+    return CheckFailure(f"{what} {verb}: it {access.describe()}\n{access.fix_hint}",
+                        {**access.to_dict(), "kind": "cuda", "access": access.kind})
+
+
+# -- engine_ref's loader ---------------------------------------------------------------------------
+
+
+def list_plugins() -> list[Any]:
+    """engine_ref's entry points (ENGINE_REF_PLUGINS honoured)."""
+    from engine_ref import plugins
+
+    return plugins.list_plugins()
+
+
+@dataclass
+class PluginOutcome:
+    """What loading one plugin under the guard did."""
+
+    accesses: list[CudaAccess] = field(default_factory=list)
+    error: BaseException | None = None
+    traceback: str = ""
+    location: str | None = None
+
+
+def run_plugin(entry: Any, strict: bool = False) -> PluginOutcome:
+    """Load and call one engine_ref plugin under the guard, as ``load_general_plugins`` does."""
+    from engine_ref.plugins import capture_failure
+    from engine_ref.plugins import run_plugin as call
+
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # is_available() without cuInit, as in production
+    outcome = PluginOutcome()
+    with CudaGuard(strict=strict) as guard:
+        try:
+            call(entry)
+        except BaseException as e:  # noqa: BLE001 - the plugin's failure, reported by the check
+            failure = capture_failure(entry, e, skip=(__file__,))
+            outcome.error, outcome.traceback, outcome.location = e, failure.traceback, failure.location
+    outcome.accesses = sorted(guard.accesses, key=lambda a: a.kind != "init")
+    return outcome
+
+
+def run_in_engine_state(entry: Any, timeout: float = 60.0) -> tuple[bool, str, str]:
+    """Load only this plugin in a fresh interpreter where loading plugins is the first thing that runs: the
+    state of ``engine-ref`` commands and of ``LLM(...)`` in a script (nothing of torch or engine_ref preloaded)."""
+    env = {**os.environ, "ENGINE_REF_PLUGINS": entry.name,
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
+    command = [sys.executable, "-c", ENGINE_STATE_SCRIPT]
+    state = f"a fresh interpreter running `python -c {ENGINE_STATE_SCRIPT!r}`"
+    try:
+        out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"it did not finish within {timeout:g} s", state
+    return out.returncode == 0, out.stderr.strip(), state
+
+
+# -- the check ------------------------------------------------------------------------------------
+
+
+def _entry(ctx: CheckContext, plugins: Any) -> Any:
+    found = [e for e in plugins.list_plugins() if e.name == ctx.plugin and e.module == ctx.module]
+    if not found:
+        raise CheckFailure(f"plugin {ctx.plugin!r} ({ctx.module}) is no longer installed or allowed here",
+                           {"kind": "missing_plugin"})
+    return found[0]
+
+
+def _engine_state(plugins: Any, entry: Any) -> tuple[bool, str, str]:
+    if hasattr(plugins, "run_in_engine_state"):
+        return plugins.run_in_engine_state(entry)
+    from pytest_enginecheck.vllm_adapter.probe import probe  # vLLM's loader names it after its subprocess
+
+    ok, output = plugins.run_in_inspection_subprocess(entry)
+    return ok, output, f"vLLM's inspection subprocess ({' '.join(probe().subprocess_command)})"
+
+
+def run(ctx: CheckContext) -> dict[str, Any]:
+    plugins = loader(ctx.spec)
+    if ctx.spec == "vllm":
+        from pytest_enginecheck.vllm_adapter.env import redirect_caches
+
+        redirect_caches(ctx.workdir)
+    entry = _entry(ctx, plugins)
+    who = f"{LABELS[ctx.spec]} plugin {entry.name!r} ({entry.value}) of distribution {entry.distribution}"
+    outcome = plugins.run_plugin(entry, strict=ctx.strict)
+    if outcome.accesses:
+        raise cuda_failure(f"Loading {who}", outcome.accesses[0], entry.module)
+    if outcome.error is not None:
+        location = getattr(outcome, "location", None)
+        raise CheckFailure(
+            f"Loading {who} raised {type(outcome.error).__name__}: {outcome.error}"
+            + (f" at {location}" if location else ""),
+            {"kind": "plugin_error", "traceback": outcome.traceback})
+    ok, output, state = _engine_state(plugins, entry)
+    if not ok:
+        root = output.strip().splitlines()[-1] if output.strip() else "(no output)"
+        raise CheckFailure(f"Loading {who} works here but fails in {state}: {root}",
+                           {"kind": "plugin_engine_state", "traceback": output})
+    return {"entry_point": entry.value, "distribution": entry.distribution}
