@@ -229,25 +229,78 @@ CORRUPTIONS = {
     "another-architecture": _edit(lambda d: d["model_info"].update(architecture="Qwen2ForCausalLM",
                                                                     module="engine_ref.model_executor.models.qwen2",
                                                                     class_name="Qwen2ForCausalLM")),
+    # Crafted entries with the right source hash: what workers would import, and wrong types.
+    "os-getcwd": _edit(lambda d: d["model_info"].update(module="os", class_name="getcwd")),
+    "another-class-same-module": _edit(lambda d: d["model_info"].update(class_name="LlamaModel")),
+    "bool-as-string": _edit(lambda d: d["model_info"].update(supports_tp="false")),
+    "bool-as-int": _edit(lambda d: d["model_info"].update(is_moe=1)),
+    "architecture-as-list": _edit(lambda d: d["model_info"].update(architecture=["LlamaForCausalLM"])),
+    "format-version-as-string": _edit(lambda d: d.update(format_version=str(MODEL_INFO_FORMAT_VERSION))),
+    "format-version-as-bool": _edit(lambda d: d.update(format_version=True)),
+    "source-hash-as-list": _edit(lambda d: d.update(source_hash=[d["source_hash"]])),
+    "extra-top-level-key": _edit(lambda d: d.update(model_cls="os:system")),
+    "nested-field": _edit(lambda d: d["model_info"].update(supports_tp={"a": {"b": True}})),
+    "nested-100000-deep": lambda text: b"[" * 100_000 + b"]" * 100_000,
+    "nested-100000-deep-object": lambda text: b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+    "huge": lambda text: text.encode() + b" " * (64 * 1024),
 }
+STALE = {"wrong-format-version"}  # well-formed but written for another format: replaced without a warning
 
 
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
 def test_corrupt_cache_file_is_ignored_and_rewritten(corruption: str, registry: _ModelRegistry,
-                                                     cache_root: Path) -> None:
+                                                     cache_root: Path, caplog: pytest.LogCaptureFixture) -> None:
     info = registry.inspect_model_cls("LlamaForCausalLM")
     [path] = cache_files(cache_root)
     valid = path.read_text()
     path.write_bytes(CORRUPTIONS[corruption](valid))
 
     survivor = new_registry()
-    assert survivor.inspect_model_cls("LlamaForCausalLM") == info
+    with caplog.at_level("WARNING", logger="engine_ref.model_executor.models.registry"):
+        assert survivor.inspect_model_cls("LlamaForCausalLM") == info
     assert survivor.subprocess_inspections == 1
     assert json.loads(path.read_text()) == json.loads(valid)  # rewritten valid
+    warnings = [r.getMessage() for r in caplog.records if "model info cache" in r.getMessage()]
+    if corruption in STALE:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warnings[0].startswith(f"corrupt model info cache {path} ("), warnings
+        assert warnings[0].endswith("inspecting LlamaForCausalLM again and rewriting it"), warnings
 
     reader = new_registry()
     assert reader.inspect_model_cls("LlamaForCausalLM") == info
     assert reader.subprocess_inspections == 0
+
+
+def test_a_crafted_entry_never_reaches_the_workers(registry: _ModelRegistry, cache_root: Path,
+                                                   tiny_checkpoint: Callable[..., Path]) -> None:
+    """An entry naming ``os:getcwd`` with the right hash: the engine config still names Llama's class."""
+    from engine_ref.engine.arg_utils import EngineArgs
+    from engine_ref.model_executor.model_loader.loaders import get_model_cls
+
+    registry.inspect_model_cls("LlamaForCausalLM")
+    [path] = cache_files(cache_root)
+    path.write_bytes(CORRUPTIONS["os-getcwd"](path.read_text()))
+
+    config = EngineArgs(str(tiny_checkpoint("LlamaForCausalLM"))).create_engine_config(new_registry())
+    assert config.model_info is not None
+    assert (config.model_info.module, config.model_info.class_name) == (
+        "engine_ref.model_executor.models.llama", "LlamaForCausalLM")
+    assert get_model_cls(config) is registry.resolve_model_cls("LlamaForCausalLM")
+    assert json.loads(path.read_text())["model_info"]["module"] == "engine_ref.model_executor.models.llama"
+
+
+def test_a_reexported_class_is_cached_under_its_registered_module(registry: _ModelRegistry, cache_root: Path,
+                                                                  write_module: Callable[[str, str], str]) -> None:
+    """``pkg:Model`` where Model is defined in another module: the entry names what was registered."""
+    impl = write_module(TINY_MODEL_CLASS, "impl")
+    facade = write_module(f"from {impl} import TinyModel\n", "facade")
+    registry.register_model("TinyModel", f"{facade}:TinyModel")
+    info = registry.inspect_model_cls("TinyModel")
+    assert (info.module, info.class_name) == (facade, "TinyModel")
+    reader = new_registry_with(registry)
+    assert reader.inspect_model_cls("TinyModel") == info
+    assert reader.subprocess_inspections == 0  # the entry is valid, not re-inspected on every start
 
 
 # -- a failing child surfaces its own error --------------------------------------------------------
@@ -421,7 +474,7 @@ def _hammer_cache(writer: int, parties: int, barrier: str, entry: RegisteredMode
     Returns (writes, reads that found something other than a complete entry).
     """
     registry = _ModelRegistry({info.architecture: entry})
-    path = registry._cache_path(entry)
+    path = registry._cache_path(info.architecture, entry)
     Path(barrier, str(writer)).touch()
     deadline = time.monotonic() + 60
     while len(os.listdir(barrier)) < parties and time.monotonic() < deadline:
@@ -444,7 +497,7 @@ def test_concurrent_writers_never_leave_a_corrupt_file(cache_root: Path, tmp_pat
 
     entry = ModelRegistry.models["LlamaForCausalLM"]
     info = ModelInfo.from_model_cls("LlamaForCausalLM", entry.load_model_cls())
-    path = _ModelRegistry._cache_path(entry)
+    path = _ModelRegistry._cache_path("LlamaForCausalLM", entry)
     barrier = tmp_path / "writers"
     barrier.mkdir()
     parties = 4

@@ -5,6 +5,11 @@ the class. ``inspect_model_cls`` learns a model's capabilities (ModelInfo) by im
 child process, so a model module that misbehaves at import (touches CUDA, crashes, hangs) cannot
 break the process that asked. Results are cached as JSON keyed by a hash of the module's source,
 so a later run serves them without any subprocess until the model's file changes.
+
+The cache is input, not truth: anyone who can write the directory can write an entry with the right
+hash. An entry is served only if every field has its type and it describes the module and class the
+registry asked about (the ModelInfo's module and class are what workers import); anything else is a
+corrupt entry, logged, inspected again and rewritten. The reader caps the file's size and nesting.
 """
 
 from __future__ import annotations
@@ -22,17 +27,22 @@ import threading
 import traceback
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 from engine_ref import envs
 from engine_ref.errors import ModelInspectionError, UnknownArchitectureError
 from engine_ref.model_executor.models.interfaces import ModelInfo
+from engine_ref.utils import read_json
 
 logger = logging.getLogger(__name__)
 
 MODEL_INFO_FORMAT_VERSION = 1
 DEFAULT_INSPECT_TIMEOUT_S = 120.0
+MODEL_INFO_CACHE_MAX_BYTES = 64 * 1024  # an entry is about 500 bytes
+MODEL_INFO_CACHE_MAX_DEPTH = 2  # {"model_info": {field: scalar}}
+_MODEL_INFO_TYPES: dict[str, type] = {f.name: {"str": str, "bool": bool}[str(f.type)] for f in fields(ModelInfo)}
 
 _ENGINE_REF_MODELS = {
     # architecture: (module under engine_ref.model_executor.models, class)
@@ -136,9 +146,11 @@ def _inspect_in_subprocess(architecture: str, entry: RegisteredModel) -> ModelIn
     SystemExit raised by a model module must not end the parent.
     """
     try:
-        return ModelInfo.from_model_cls(architecture, entry.load_model_cls())
+        info = ModelInfo.from_model_cls(architecture, entry.load_model_cls())
     except BaseException:  # noqa: BLE001 - this child exists to report it
         return traceback.format_exc()
+    # Workers import the class where it is registered (a re-exported class's __module__ is elsewhere).
+    return replace(info, module=entry.module_name, class_name=entry.class_name)
 
 
 class _ModelRegistry:
@@ -230,30 +242,30 @@ class _ModelRegistry:
     # -- the JSON cache ------------------------------------------------------------------------
 
     @staticmethod
-    def _cache_path(entry: RegisteredModel) -> Path:
-        return envs.cache_root() / "modelinfos" / f"{entry.module_name}-{entry.class_name}.json"
+    def _cache_path(architecture: str, entry: RegisteredModel) -> Path:
+        """One file per architecture and class (two architectures may share a class)."""
+        return envs.cache_root() / "modelinfos" / f"{architecture}-{entry.module_name}-{entry.class_name}.json"
 
     def _read_cache(self, architecture: str, entry: RegisteredModel, source_hash: str | None) -> ModelInfo | None:
+        """The cached ModelInfo; None when absent, stale (another source or format) or corrupt (logged)."""
         if source_hash is None:
             return None
-        path = self._cache_path(entry)
+        path = self._cache_path(architecture, entry)
         try:
-            data = json.loads(path.read_text())
-            if data["format_version"] != MODEL_INFO_FORMAT_VERSION or data["source_hash"] != source_hash:
-                return None
-            info = ModelInfo.from_dict(data["model_info"])
+            data = read_json(path, max_bytes=MODEL_INFO_CACHE_MAX_BYTES, max_depth=MODEL_INFO_CACHE_MAX_DEPTH)
+            return _cached_model_info(data, architecture, entry, source_hash)
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            logger.warning("ignoring unreadable model info cache %s (%s); it will be rewritten", path, e)
+        except (OSError, ValueError) as e:
+            logger.warning("corrupt model info cache %s (%s): inspecting %s again and rewriting it",
+                           path, e, architecture)
             return None
-        return info if info.architecture == architecture else None
 
     def _write_cache(self, entry: RegisteredModel, source_hash: str | None, info: ModelInfo) -> None:
         """Write atomically (temp file + rename), so concurrent writers and readers never see half a file."""
         if source_hash is None:
             return
-        path = self._cache_path(entry)
+        path = self._cache_path(info.architecture, entry)
         data = {"format_version": MODEL_INFO_FORMAT_VERSION, "source_hash": source_hash,
                 "model_info": info.to_dict()}
         try:
@@ -268,6 +280,28 @@ class _ModelRegistry:
                 raise
         except OSError as e:
             logger.warning("could not write model info cache %s: %s", path, e)
+
+
+def _cached_model_info(data: Any, architecture: str, entry: RegisteredModel, source_hash: str) -> ModelInfo | None:
+    """The ModelInfo of a parsed cache file; None if it is stale; ValueError saying what is corrupt."""
+    if not isinstance(data, dict) or set(data) != {"format_version", "source_hash", "model_info"}:
+        raise ValueError("not an object of exactly format_version, source_hash and model_info")
+    if type(data["format_version"]) is not int or not isinstance(data["source_hash"], str):
+        raise ValueError(f"format_version={data['format_version']!r} is not an integer or "
+                         f"source_hash={data['source_hash']!r} not a string")
+    if data["format_version"] != MODEL_INFO_FORMAT_VERSION or data["source_hash"] != source_hash:
+        return None  # written for another format or another source: stale, not corrupt
+    info = data["model_info"]
+    if not isinstance(info, dict) or set(info) != set(_MODEL_INFO_TYPES):
+        raise ValueError(f"model_info is not an object of exactly the fields {', '.join(_MODEL_INFO_TYPES)}")
+    wrong = [f"{name}={value!r}" for name, value in info.items() if type(value) is not _MODEL_INFO_TYPES[name]]
+    if wrong:
+        raise ValueError(f"fields of the wrong type: {', '.join(wrong)}")
+    asked = {"architecture": architecture, "module": entry.module_name, "class_name": entry.class_name}
+    foreign = [f"{name}={info[name]!r} (asked: {value!r})" for name, value in asked.items() if info[name] != value]
+    if foreign:
+        raise ValueError(f"it describes another model: {', '.join(foreign)}")
+    return ModelInfo(**info)
 
 
 ModelRegistry = _ModelRegistry({
