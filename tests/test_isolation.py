@@ -5,14 +5,17 @@ Every child here is a real fork of the warm forkserver (or, for nested children,
 
 from __future__ import annotations
 
+import json
 import multiprocessing.spawn
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import psutil
 import pytest
@@ -206,3 +209,28 @@ def test_a_deadline_can_be_shortened_but_not_extended() -> None:
     assert deadline.remaining() <= TIMEOUT  # type: ignore[operator]
     deadline.shorten(0)
     assert deadline.expired() and deadline.remaining() == 0.0
+
+
+def test_the_inspect_check_of_a_hanging_import_shows_the_inspection_childs_stacks(pytester: pytest.Pytester) -> None:
+    """The model hangs in the registry's inspection child, two processes below pytest: its hung line is reported,
+    not the check child's wait for it."""
+    zoo = Path(__file__).parent / "plugin_zoo"
+    shutil.copytree(zoo, pytester.path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    pytester.makeini("[pytest]\npythonpath = .\n")
+    report = pytester.path / "report.json"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--enginecheck", "--enginecheck-target=zoo:MODELS",
+                                           "--enginecheck-checks=inspect", "--enginecheck-timeout=4",
+                                           f"--enginecheck-json={report}", "-k", "HangsModel", timeout=120)
+    result.assert_outcomes(failed=1)
+    [hung] = json.loads(report.read_text())["results"]
+    assert hung["message"].startswith(
+        "Inspecting HangsModel did not finish within 4 s (--enginecheck-timeout): the registry's inspection child "
+        "was killed after 3.2 s. Its Python stacks at that moment:\n")
+    line = next(i for i, text in enumerate((zoo / "zoo" / "hangs.py").read_text().splitlines(), 1) if "sleep" in text)
+    stacks = hung["detail"]["stacks"]
+    assert (hung["detail"]["kind"], hung["detail"]["timeout_s"]) == ("timeout", 4)
+    # The innermost frame is the model's hung line (the parent's would be its wait in connection.wait).
+    innermost = stacks.split("(most recent call first):\n", 1)[1].splitlines()[0]
+    assert innermost.endswith(f'hangs.py", line {line} in wait_for_device'), stacks
+    assert "in _inspect_in_subprocess" in stacks and "in wait\n" not in stacks
+    result.stdout.fnmatch_lines([f'*hangs.py", line {line} in wait_for_device'])

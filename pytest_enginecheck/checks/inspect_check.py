@@ -2,6 +2,10 @@
 
 engine_ref: ``ModelRegistry.inspect_model_cls`` (its subprocess and JSON cache). vLLM: the
 registered model's ``inspect_model_cls`` (vLLM's own subprocess). Errors are surfaced verbatim.
+
+A model that hangs hangs in the inspection's own child, below this check's child: that child is
+given a shorter timeout than the check, so the report shows its stacks (the hung line), not this
+process's wait for it.
 """
 
 from __future__ import annotations
@@ -10,7 +14,10 @@ from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure
+from pytest_enginecheck.checks.runner import subject
 from pytest_enginecheck.targets import into_global_registry, resolve
+
+INSPECTION_SHARE = 0.8  # of the check's timeout: the rest reads the child's stacks and reports them
 
 
 def _inspect_vllm(ctx: CheckContext, registry: Any) -> dict[str, Any]:
@@ -23,13 +30,22 @@ def _inspect_vllm(ctx: CheckContext, registry: Any) -> dict[str, Any]:
 
 def run(ctx: CheckContext) -> dict[str, Any]:
     from engine_ref.errors import EngineRefError
+    from engine_ref.isolation import ProcessTimeoutError
 
     kind, target = resolve(ctx.spec)
     if kind == "vllm":
         return _inspect_vllm(ctx, target)
     registry = into_global_registry(kind, target)
+    timeout = ctx.timeout * INSPECTION_SHARE
     try:
-        info = registry.inspect_model_cls(ctx.architecture)
+        info = registry.inspect_model_cls(ctx.architecture, timeout=timeout)
     except EngineRefError as e:
+        hang = e.__cause__
+        if isinstance(hang, ProcessTimeoutError):
+            raise CheckFailure(
+                f"{subject(ctx)} did not finish within {ctx.timeout:g} s (--enginecheck-timeout): the registry's "
+                f"inspection child was killed after {timeout:g} s. Its Python stacks at that moment:\n"
+                f"{hang.stacks or '(none could be read)'}",
+                {"kind": "timeout", "timeout_s": ctx.timeout, "stacks": hang.stacks}) from None
         raise CheckFailure(str(e), {"kind": "inspection"}) from None
     return info.to_dict()

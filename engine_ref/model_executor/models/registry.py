@@ -223,6 +223,7 @@ class _ModelRegistry:
 
         with self._lock:
             self.subprocess_inspections += 1
+        crash: IsolatedProcessError | None = None  # the cause: a ProcessTimeoutError holds the child's stacks
         try:
             result = run_isolated(_inspect_in_subprocess, architecture, entry, timeout=timeout,
                                   name=f"inspect {architecture}")
@@ -230,14 +231,14 @@ class _ModelRegistry:
                 return result
             detail = result
         except IsolatedProcessError as e:
-            detail = str(e)
+            detail, crash = str(e), e
         except Exception as e:  # noqa: BLE001 - the child's own error, carried verbatim
             cause = e.__cause__
             detail = cause.text if isinstance(cause, RemoteTraceback) else f"{type(e).__name__}: {e}"
         raise ModelInspectionError(
             f"Error inspecting model architecture {architecture!r} ({entry.spec}) in a subprocess. "
             f"The child process reported:\n{detail}"
-        )
+        ) from crash
 
     # -- the JSON cache ------------------------------------------------------------------------
 
