@@ -191,6 +191,34 @@ def test_pt_file_that_is_not_a_checkpoint(llama_copy: Path) -> None:
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("load_format", ["safetensors", "pt"])
+def test_a_float64_tensor_is_refused_not_cast(load_format: str, llama_copy: Path) -> None:
+    """A float64 tensor in a float32 checkpoint: engine_ref never runs in float64, so it refuses (not casts)."""
+    name = "model.layers.0.input_layernorm.weight"
+    edit_tensors(llama_copy, lambda t: t.update({name: t[name].double()}))
+    path = llama_copy / "model.safetensors"
+    if load_format == "pt":
+        torch.save(load_file(path), llama_copy / "pytorch_model.bin")
+        path.unlink()
+        path = llama_copy / "pytorch_model.bin"
+    with pytest.raises(WeightLoadError) as info:
+        start(llama_copy, load_format=load_format)
+    assert str(info.value) == (
+        f"tensor {name!r} in {path} is stored as float64, which engine_ref does not run in (float32, float16, "
+        f"bfloat16), and refuses to cast silently: convert the checkpoint (e.g. tensor.to(torch.float32)) and save "
+        f"it again.")
+
+
+def test_a_narrower_float_tensor_is_widened(llama_copy: Path, llama: Path) -> None:
+    """Only float64 is refused: a bfloat16 tensor in a float32 checkpoint loads, exactly, as float32."""
+    name = "model.norm.weight"
+    edit_tensors(llama_copy, lambda t: t.update({name: t[name].bfloat16()}))
+    with LLM(str(llama_copy), **ENGINE) as llm:
+        loaded = llm.engine.executor.worker.model.get_parameter(name)
+        assert loaded.dtype == torch.float32
+        assert torch.equal(loaded, load_file(llama / "model.safetensors")[name].bfloat16().float())
+
+
 # -- good checkpoints -----------------------------------------------------------------------------
 
 

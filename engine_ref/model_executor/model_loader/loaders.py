@@ -4,6 +4,9 @@
   read through ``safe_open`` so each rank reads only its slices.
 - ``pt``: ``pytorch_model*.bin`` / ``*.pt`` through ``torch.load(weights_only=True)`` only.
 - ``dummy``: random values, no files (startup and memory checks without a checkpoint).
+
+A float64 tensor is refused (WeightLoadError) before its bytes are read: engine_ref never runs in
+float64 (config.json's torch_dtype may not say it either), and casting it silently would lose precision.
 """
 
 from __future__ import annotations
@@ -107,6 +110,8 @@ class DefaultModelLoader(BaseModelLoader):
             with handle as f:
                 for name in f.keys():
                     tensor_slice = f.get_slice(name)
+                    if tensor_slice.get_dtype() == "F64":
+                        raise _float64_error(name, path)
                     yield name, CheckpointTensor(name, tensor_slice, tensor_slice.get_shape(), path.name, self.stats)
 
     def _pt_weights(self, model_dir: Path) -> Weights:
@@ -128,7 +133,16 @@ class DefaultModelLoader(BaseModelLoader):
             if not isinstance(state, dict):
                 raise WeightLoadError(f"{path} holds a {type(state).__name__}, not a dict of tensors.")
             for name, tensor in state.items():
+                if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float64:
+                    raise _float64_error(name, path)
                 yield name, CheckpointTensor.from_tensor(name, tensor, path.name, self.stats)
+
+
+def _float64_error(name: str, path: Path) -> WeightLoadError:
+    return WeightLoadError(
+        f"tensor {name!r} in {path} is stored as float64, which engine_ref does not run in (float32, float16, "
+        f"bfloat16), and refuses to cast silently: convert the checkpoint (e.g. tensor.to(torch.float32)) and save "
+        f"it again.")
 
 
 def _torch_load_reason(error: Exception) -> str:
