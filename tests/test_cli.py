@@ -27,10 +27,11 @@ SMALL = ["--max-model-len", "64", "--max-num-batched-tokens", "64", "--device-me
 Run = Callable[[str], subprocess.CompletedProcess[str]]
 
 
-def start(*args: str) -> subprocess.Popen[str]:
+def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """Start ``engine-ref ARGS`` in a fresh interpreter (it inherits this session's model-info cache)."""
     return subprocess.Popen([sys.executable, "-m", "engine_ref.entrypoints.cli", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=None if env is None else {**os.environ, **env})
 
 
 def finish(process: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
@@ -186,3 +187,115 @@ def test_a_temp_dir_too_long_for_the_warm_parents_socket_is_named(llama: Path) -
     assert "Traceback" not in process.stderr
     assert f"TMPDIR={str(long_tmp)!r}" in process.stderr
     assert "Set TMPDIR to a shorter directory" in process.stderr
+
+
+# -- malformed input: one line, exit 2, no traceback (issue 9) ---------------------------------------
+
+HUGE = "9" * 30 + "TiB"
+TRUNCATED_ON_TP2 = "truncated checkpoint at TP=2"
+
+
+def _model_dir(root: Path, llama: Path, name: str, config: bytes | None = None,
+               edit: Callable[[dict], None] | None = None) -> str:
+    """A copy of the tiny Llama under ``root/name`` with config.json replaced or edited."""
+    model = Path(shutil.copytree(llama, root / name))
+    if config is not None:
+        (model / "config.json").write_bytes(config)
+    if edit is not None:
+        data = json.loads((model / "config.json").read_text())
+        edit(data)
+        (model / "config.json").write_text(json.dumps(data))
+    return str(model)
+
+
+@pytest.fixture(scope="module")
+def malformed(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    """``malformed(name)``: the finished process of one malformed-input command of MALFORMED, all started at once."""
+    from safetensors.torch import load_file, save_file
+
+    from engine_ref.model_executor.models.registry import ModelRegistry
+
+    root = tmp_path_factory.mktemp("malformed")
+    ModelRegistry.inspect_model_cls(LLAMA)  # the shared ModelInfo cache, filled before the children look
+    float64 = Path(_model_dir(root, llama, "float64"))
+    tensors = load_file(float64 / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].double()
+    save_file(tensors, float64 / "model.safetensors")
+    truncated = Path(_model_dir(root, llama, "truncated"))
+    raw = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(raw[: len(raw) // 2])
+    small = ["--max-model-len", "64", "--max-num-batched-tokens", "64"]
+    commands: dict[str, tuple[list[str], dict[str, str] | None]] = {
+        "config.json is a JSON list": (["startup", _model_dir(root, llama, "list", b'["LlamaForCausalLM"]')], None),
+        "config.json is binary": (["estimate", _model_dir(root, llama, "binary", bytes(range(256))),
+                                   "--device-memory", "8GiB"], None),
+        "max_position_embeddings=1e12 (estimate)": (
+            ["estimate", _model_dir(root, llama, "1e12", edit=lambda d: d.update(max_position_embeddings=10**12)),
+             "--device-memory", "80GiB"], None),
+        "max_position_embeddings=2**24 (startup)": (
+            ["startup", _model_dir(root, llama, "2**24", edit=lambda d: d.update(max_position_embeddings=2**24))],
+            None),
+        "--device-memory 999...TiB (startup)": (["startup", str(llama), "--device-memory", HUGE, *small], None),
+        "--device-memory 999...TiB (estimate)": (["estimate", str(llama), "--device-memory", HUGE], None),
+        "--device-memory 1PiB on CPU": (["startup", str(llama), "--device-memory", "1PiB", *small], None),
+        "--device-memory -1GiB": (["startup", str(llama), "--device-memory", "-1GiB", *small], None),
+        "--max-model-len 10**13": (["startup", str(llama), "--max-model-len", str(10**13)], None),
+        "ENGINE_REF_READY_TIMEOUT_S=abc": (["startup", str(llama), *small, "--device-memory", "64MiB"],
+                                           {"ENGINE_REF_READY_TIMEOUT_S": "abc"}),
+        "float64 tensor": (["startup", str(float64), *small, "--device-memory", "64MiB"], None),
+        TRUNCATED_ON_TP2: (["startup", str(truncated), "-tp", "2", *small, "--device-memory", "64MiB"], None),
+        "verbose": (["startup", str(truncated), "-tp", "2", *small, "--device-memory", "64MiB", "--verbose"], None),
+    }
+    processes = {name: start(*args, env=env) for name, (args, env) in commands.items()}
+    yield lambda name: finish(processes[name])
+    for process in processes.values():
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+MALFORMED = {
+    # name: what the one line says (after "engine-ref: error: ")
+    "config.json is a JSON list": "/list/config.json holds a JSON list, not an object",
+    "config.json is binary": "/binary/config.json is not valid JSON for a config.json (not UTF-8 text",
+    "max_position_embeddings=1e12 (estimate)":
+        "/1e12/config.json: max_position_embeddings=1000000000000 is larger than engine_ref supports (at most "
+        "16777216)",
+    "max_position_embeddings=2**24 (startup)":
+        "max_num_batched_tokens=16777216 (the profile run's batch) x hidden_size=64 needs 4.00 GiB per rank, more "
+        "than the 0.9 x 4.00 GiB of device memory it may use",
+    "--device-memory 999...TiB (startup)": f"device_memory={HUGE!r} is larger than any device",
+    "--device-memory 999...TiB (estimate)": f"device_memory={HUGE!r} is larger than any device",
+    "--device-memory 1PiB on CPU": "device_memory='1PiB' (1048576.00 GiB) exceeds this host's memory",
+    "--device-memory -1GiB": "device_memory='-1GiB' must be larger than zero; write a size such as '8GiB'.",
+    "--max-model-len 10**13": f"max_model_len={10**13} is larger than engine_ref supports (at most 16777216)",
+    "ENGINE_REF_READY_TIMEOUT_S=abc": "ENGINE_REF_READY_TIMEOUT_S='abc' is not a number of seconds",
+    "float64 tensor": "tensor 'model.norm.weight' in ",
+    TRUNCATED_ON_TP2: "failed in load_model: engine_ref.errors.WeightLoadError: ",
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_input_gives_one_line_exit_2_and_no_traceback(name: str, malformed: Run) -> None:
+    result = malformed(name)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("engine-ref: error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert MALFORMED[name] in result.stderr, result.stderr
+
+
+def test_a_workers_traceback_is_behind_verbose(malformed: Run) -> None:
+    """At TP=2 the worker's error carries its traceback: the first line says what, --verbose shows the rest."""
+    line = malformed(TRUNCATED_ON_TP2).stderr
+    assert re.match(r"^engine-ref: error: Worker rank \d \(pid \d+\) failed in load_model: "
+                    r"engine_ref\.errors\.WeightLoadError: .*/truncated/model\.safetensors is not a readable "
+                    r"safetensors file .* \(--verbose prints the rest of this error\)$", line), line
+    verbose = malformed("verbose")
+    assert verbose.returncode == 2
+    first, _, rest = verbose.stderr.partition("\n")
+    def what(text: str) -> str:  # the line without which rank failed first, and its pid
+        return re.sub(r"^engine-ref: error: Worker rank \d \(pid \d+\)", "", text)
+
+    assert what(first) == what(line.removesuffix(" (--verbose prints the rest of this error)\n")), verbose.stderr
+    assert re.search(r"^Traceback of rank \d:$", rest, re.MULTILINE) and "worker.load_model()" in rest, rest

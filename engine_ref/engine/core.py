@@ -29,6 +29,7 @@ class EngineCore:
             load_general_plugins()
         with timer.phase("config"):
             self.config: EngineConfig = args.create_engine_config()
+            self.config.verify_device_memory()
         with timer.phase("executor"):
             self.executor = Executor.get_class(self.config)(self.config)
         try:

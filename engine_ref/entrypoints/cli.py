@@ -11,6 +11,8 @@ from pathlib import Path
 
 from engine_ref.errors import EngineRefError
 
+DASH_VALUE_OPTIONS = ("--device-memory",)  # options whose value may start with "-" ("-1GiB"): see main()
+
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -143,18 +145,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     commands["list-models"] = cmd_list_models
 
+    for p in sub.choices.values():
+        p.add_argument("--verbose", "-v", action="store_true",
+                       help="on an error, print all of it (a worker's or child's traceback), not its first line")
     parser.set_defaults(commands=commands)
     return parser
 
 
+def _join_dash_values(argv: Sequence[str]) -> list[str]:
+    """``--device-memory -1GiB`` -> ``--device-memory=-1GiB``.
+
+    argparse takes a value starting with "-" for an option and says "expected one argument"; joined,
+    the value reaches the engine's own check, whose error names the field.
+    """
+    joined: list[str] = []
+    for arg in argv:
+        if joined and joined[-1] in DASH_VALUE_OPTIONS and arg.startswith("-"):
+            joined[-1] = f"{joined[-1]}={arg}"
+        else:
+            joined.append(arg)
+    return joined
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``engine-ref``: our errors print as one clear line, never a traceback."""
+    """Entry point of ``engine-ref``: our errors print as one clear line, never a traceback.
+
+    An error that carries more (a worker's traceback) prints its first line; ``--verbose`` prints all of it.
+    """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_dash_values(sys.argv[1:] if argv is None else argv))
     try:
         return args.commands[args.command](args)
     except EngineRefError as e:
-        print(f"engine-ref: error: {e}", file=sys.stderr)
+        message, _, rest = str(e).partition("\n")
+        if rest.strip():
+            message = str(e) if args.verbose else f"{message} (--verbose prints the rest of this error)"
+        print(f"engine-ref: error: {message}", file=sys.stderr)
         return 2
 
 
