@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine_ref.executor.abstract import Executor
+from engine_ref.executor.protocol import RpcMethod
 from engine_ref.worker.worker import Worker
 
 
@@ -20,9 +21,11 @@ class UniProcExecutor(Executor):
             self.worker.shutdown()
             raise
 
-    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+    def collective_rpc(self, method: RpcMethod, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
-        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+        if isinstance(method, str):
+            return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+        return [method(self.worker, *args, **(kwargs or {}))]  # fn(worker, *args), as the mp executor takes it
 
     def shutdown(self) -> None:
         if not self.is_shutdown:

@@ -15,20 +15,26 @@ MAX_MODEL_LEN = 128
 MAX_TOKENS = 6
 
 
-def tiny_checkpoint(ctx: CheckContext, registry: Any) -> Path:
-    """The architecture's tiny checkpoint under the session's workdir, generated once (atomically).
+def tiny_checkpoint(ctx: CheckContext, registry: Any, quantization: str | None = None) -> Path:
+    """The architecture's tiny checkpoint under the session's workdir, generated once (atomically);
+    with ``quantization``, its pre-quantized twin (the same weights, quantized).
 
     ``registry`` is the target's, from ``engine_ref_registry`` (resolved once per check process).
     """
     from engine_ref.errors import ConfigError
     from engine_ref.model_executor.model_loader.checkpoint import make_checkpoint
+    from engine_ref.model_executor.model_loader.quantized_checkpoint import make_quantized_checkpoint
 
-    path = Path(ctx.workdir) / ctx.architecture
+    name = ctx.architecture if quantization is None else f"{ctx.architecture}-{quantization}"
+    path = Path(ctx.workdir) / name
     if (path / "config.json").exists():
         return path
-    tmp = Path(tempfile.mkdtemp(dir=ctx.workdir, prefix=f".{ctx.architecture}-"))
+    tmp = Path(tempfile.mkdtemp(dir=ctx.workdir, prefix=f".{name}-"))
     try:
-        make_checkpoint(ctx.architecture, tmp, registry=registry)
+        if quantization is None:
+            make_checkpoint(ctx.architecture, tmp, registry=registry)
+        else:
+            make_quantized_checkpoint(ctx.architecture, tmp, quantization, registry=registry)
         os.replace(tmp, path)
     except ConfigError as e:
         raise CheckSkip(f"no tiny checkpoint can be made: {e}") from None

@@ -7,6 +7,11 @@
 
 A float64 tensor is refused (WeightLoadError) before its bytes are read: engine_ref never runs in
 float64 (config.json's torch_dtype may not say it either), and casting it silently would lose precision.
+
+With a quantization config, the layers hold the method's parameters, and once the checkpoint is
+in, ``process_weights_after_loading`` converts model-dtype weights on the fly. ``dummy`` always
+quantizes on the fly (random 8-bit values would have no meaningful scales): the parameters, and so
+the bytes, are those a pre-quantized checkpoint loads.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from torch import nn
 
 from engine_ref.config import EngineConfig, LoadConfig
 from engine_ref.errors import WeightLoadError
+from engine_ref.model_executor.layers.quantization.base_config import QuantizationConfig, process_weights_after_loading
 from engine_ref.model_executor.model_loader.weight_utils import (
     CheckpointTensor,
     LoadStats,
@@ -45,14 +51,20 @@ def get_model_cls(config: EngineConfig) -> type[nn.Module]:
     return RegisteredModel(info.module, info.class_name).load_model_cls()
 
 
-def initialize_model(config: EngineConfig, device: torch.device) -> nn.Module:
-    """Build this rank's model on ``device`` in the model dtype, parameters left uninitialized."""
+def initialize_model(config: EngineConfig, device: torch.device,
+                     quant_config: QuantizationConfig | None = None) -> nn.Module:
+    """Build this rank's model on ``device`` in the model dtype, parameters left uninitialized.
+
+    ``quant_config`` (default: the config's) hands the layers their quant methods.
+    """
     model_cls = get_model_cls(config)
+    quant_config = quant_config or config.quant_config
+    kwargs = {} if quant_config is None else {"quant_config": quant_config}
     previous = torch.get_default_dtype()
     torch.set_default_dtype(config.model_config.torch_dtype)
     try:
         with torch.device(device):
-            return model_cls(config.model_config.hf_config)
+            return model_cls(config.model_config.hf_config, **kwargs)
     finally:
         torch.set_default_dtype(previous)
 
@@ -65,10 +77,15 @@ class BaseModelLoader:
         self.stats = LoadStats()
 
     def load_model(self, config: EngineConfig, device: torch.device) -> nn.Module:
-        model = initialize_model(config, device)
+        model = initialize_model(config, device, self.quant_config(config))
         with torch.no_grad():
             self.load_weights(model, config)
+            process_weights_after_loading(model)
         return model.eval()
+
+    def quant_config(self, config: EngineConfig) -> QuantizationConfig | None:
+        """The quantization the model is built with: the config's."""
+        return config.quant_config
 
     def load_weights(self, model: nn.Module, config: EngineConfig) -> None:
         raise NotImplementedError
@@ -168,7 +185,10 @@ def _files_from_index(index: Path) -> list[Path]:
 
 
 class DummyModelLoader(BaseModelLoader):
-    """Random weights, no files: every rank draws its own shard from a seeded generator."""
+    """Random weights, no files: every rank draws its own shard from a seeded generator (quantized on the fly)."""
+
+    def quant_config(self, config: EngineConfig) -> QuantizationConfig | None:
+        return None if config.quant_config is None else config.quant_config.on_the_fly()
 
     def load_weights(self, model: nn.Module, config: EngineConfig) -> None:
         generator = torch.Generator().manual_seed(config.model_config.seed)

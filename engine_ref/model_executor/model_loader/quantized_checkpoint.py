@@ -1,9 +1,10 @@
 """Write pre-quantized tiny checkpoints (fp8, fbgemm_fp8, int8) in the layout their method loads.
 
-The weights are ``make_checkpoint``'s (same architecture, seed and dtype), each weight of a
-quantized layer replaced by its 8-bit values plus ``weight_scale``, computed over the whole
-checkpoint tensor exactly as on-the-fly quantization computes them at any TP size: loading this
-checkpoint gives the parameters that ``quantization=METHOD`` gives on the unquantized one.
+The weights are ``make_checkpoint``'s (same architecture, seed, dtype and shards), each weight of a
+quantized layer replaced by its 8-bit values plus ``weight_scale`` (in the weight's file),
+computed over the whole checkpoint tensor exactly as on-the-fly quantization computes them at
+any TP size: loading this checkpoint gives the parameters that ``quantization=METHOD`` gives on
+the unquantized one.
 """
 
 from __future__ import annotations
@@ -19,35 +20,44 @@ from engine_ref.errors import QuantizationError
 from engine_ref.model_executor.layers.quantization import get_quantization_config
 from engine_ref.model_executor.layers.quantization.scaled import ScaledQuantizationConfig
 from engine_ref.model_executor.model_loader.checkpoint import expected_tensors, make_checkpoint
+from engine_ref.model_executor.model_loader.loaders import SAFETENSORS_INDEX
 from engine_ref.model_executor.models.registry import ModelRegistry, _ModelRegistry
 
 SCALE_SUFFIX = "_scale"
 
 
 def make_quantized_checkpoint(architecture: str, path: str | Path, quantization: str, *, seed: int = 0,
-                              dtype: str = "float32", overrides: dict[str, Any] | None = None,
+                              dtype: str = "float32", overrides: dict[str, Any] | None = None, num_shards: int = 1,
                               registry: _ModelRegistry = ModelRegistry) -> Path:
     """Write ``config.json`` (with ``quantization_config``) and quantized weights into ``path``; return it."""
     method = get_quantization_config(quantization)
     if not issubclass(method, ScaledQuantizationConfig):
         raise QuantizationError(f"no checkpoint writer for quantization={quantization!r}")
     quant_config = method(is_checkpoint_serialized=True)
-    path = make_checkpoint(architecture, path, seed=seed, dtype=dtype, overrides=overrides, registry=registry)
-    weights_file = path / "model.safetensors"
+    path = make_checkpoint(architecture, path, seed=seed, dtype=dtype, overrides=overrides, num_shards=num_shards,
+                           registry=registry)
     config = json.loads((path / "config.json").read_text())
-    tensors = load_file(str(weights_file))
-    expected = expected_tensors(config, architecture, registry, quant_config)
+    scales = {name: shape for name, shape in expected_tensors(config, architecture, registry, quant_config).items()
+              if name.endswith(SCALE_SUFFIX)}
+    weight_map: dict[str, str] = {}
     with tensor_parallel_state(0, 1):
-        for name, scale_shape in expected.items():
-            if not name.endswith(SCALE_SUFFIX):
-                continue
-            weight_name = name.removesuffix(SCALE_SUFFIX)
-            weight = tensors[weight_name]
-            groups = [weight.shape[0]]
-            scale = quant_config.compute_scale(weight, groups, input_sharded=False)
-            tensors[weight_name] = quant_config.quantize(weight, scale, groups)
-            tensors[name] = scale.reshape(scale_shape)
+        for weights_file in sorted(path.glob("*.safetensors")):
+            tensors = load_file(str(weights_file))
+            for name, scale_shape in scales.items():
+                weight_name = name.removesuffix(SCALE_SUFFIX)
+                if weight_name not in tensors:
+                    continue
+                weight = tensors[weight_name]
+                groups = [weight.shape[0]]
+                scale = quant_config.compute_scale(weight, groups, input_sharded=False)
+                tensors[weight_name] = quant_config.quantize(weight, scale, groups)
+                tensors[name] = scale.reshape(scale_shape)
+            save_file(tensors, str(weights_file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, weights_file.name))
     config["quantization_config"] = quant_config.to_hf_config()
-    save_file(tensors, str(weights_file), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    index = path / SAFETENSORS_INDEX
+    if index.exists():
+        total = sum(t.numel() * t.element_size() for f in path.glob("*.safetensors") for t in load_file(str(f)).values())
+        index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     return path

@@ -28,7 +28,7 @@ from engine_ref.model_executor.model_loader.weight_utils import (
     WeightsMapper,
     load_mapped_weights,
 )
-from engine_ref.model_executor.models.interfaces import SupportsLoRA
+from engine_ref.model_executor.models.interfaces import SupportsLoRA, SupportsQuant
 
 if TYPE_CHECKING:
     from engine_ref.model_executor.layers.quantization.base_config import QuantizationConfig
@@ -152,7 +152,7 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-class LlamaForCausalLM(nn.Module, SupportsLoRA):
+class LlamaForCausalLM(nn.Module, SupportsLoRA, SupportsQuant):
     """Llama with its LM head; the contract every engine_ref text model follows."""
 
     decoder_layer_cls: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer

@@ -39,6 +39,9 @@ from engine_ref.utils import read_json
 logger = logging.getLogger(__name__)
 
 MODEL_INFO_FORMAT_VERSION = 1
+# A ModelInfo also depends on the markers and base classes a model inherits, which live here
+# (Qwen2 and out-of-tree models subclass LlamaForCausalLM): their sources are part of every hash.
+_BUNDLED_MODELS_DIR = Path(__file__).parent
 DEFAULT_INSPECT_TIMEOUT_S = 120.0
 MODEL_INFO_CACHE_MAX_BYTES = 64 * 1024  # an entry is about 500 bytes
 MODEL_INFO_CACHE_MAX_DEPTH = 2  # {"model_info": {field: scalar}}
@@ -89,7 +92,8 @@ class RegisteredModel:
             ) from None
 
     def source_hash(self) -> str | None:
-        """sha256 of the module's source file, found without importing the module or its packages."""
+        """sha256 of the module's source file (found without importing the module or its packages) and of
+        the bundled models' sources."""
         try:
             spec = _find_spec_without_import(self.module_name)
         except Exception:  # noqa: BLE001 - a finder's own failure: no hash, the child will report it
@@ -97,6 +101,8 @@ class RegisteredModel:
         if spec is None or not spec.origin or not os.path.isfile(spec.origin):
             return None
         digest = hashlib.sha256(Path(spec.origin).read_bytes())
+        for path in sorted(_BUNDLED_MODELS_DIR.glob("*.py")):
+            digest.update(path.read_bytes())
         digest.update(f"{self.spec}\0{MODEL_INFO_FORMAT_VERSION}".encode())
         return digest.hexdigest()
 

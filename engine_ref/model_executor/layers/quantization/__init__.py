@@ -36,11 +36,19 @@ def get_quant_config(quantization: str | None, hf_quantization_config: Mapping[s
 
     QuantizationError when both are given and disagree.
     """
+    if quantization is not None and not isinstance(quantization, str):
+        raise QuantizationError(
+            f"quantization={quantization!r} must be a method name, one of {list(QUANTIZATION_METHODS)}, or None.")
     if hf_quantization_config is None:
         return None if quantization is None else get_quantization_config(quantization)()
-    method = hf_quantization_config.get("quant_method")
+    method = hf_quantization_config.get("quant_method") if isinstance(hf_quantization_config, Mapping) else None
+    if not isinstance(method, str):
+        raise QuantizationError(
+            f"config.json's quantization_config {hf_quantization_config!r} names no quant_method; a quantized "
+            f"checkpoint says how it was quantized, e.g. {{\"quant_method\": \"fp8\"}}. Fix config.json, or remove "
+            f"quantization_config if the weights are not quantized.")
     if quantization is not None and quantization != method:
         raise QuantizationError(
             f"quantization={quantization!r} was asked for, but the checkpoint is already quantized with "
             f"{method!r} (quantization_config in config.json); pass quantization={method!r} or leave it unset.")
-    return get_quantization_config(str(method)).from_config(dict(hf_quantization_config))
+    return get_quantization_config(method).from_config(dict(hf_quantization_config))

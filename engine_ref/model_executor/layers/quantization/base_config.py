@@ -75,6 +75,14 @@ class QuantizationConfig(ABC):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase[Any]:
         """The method for ``layer`` (named ``prefix`` in the model); QuantizationError if it has none."""
 
+    def on_the_fly(self) -> QuantizationConfig:
+        """This method with the same settings, quantizing model-dtype weights after loading: what
+        ``load_format='dummy'`` builds for a pre-quantized checkpoint (the same parameters, with valid scales).
+        QuantizationError for a method that only loads checkpoints it did not quantize itself."""
+        raise QuantizationError(
+            f"{self.get_name()} cannot quantize weights at startup, so load_format='dummy' cannot make random "
+            f"{self.get_name()} weights; load the checkpoint's weights (load_format='safetensors').")
+
 
 MethodT = TypeVar("MethodT", bound=QuantizeMethodBase[Any])
 

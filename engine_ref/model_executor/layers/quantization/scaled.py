@@ -55,6 +55,9 @@ class ScaledQuantizationConfig(QuantizationConfig):
         self.is_checkpoint_serialized = is_checkpoint_serialized
         self.ignored_layers = list(ignored_layers)
 
+    def on_the_fly(self) -> ScaledQuantizationConfig:
+        return type(self)(False, self.ignored_layers)
+
     @abstractmethod
     def to_hf_config(self) -> dict[str, Any]:
         """The ``quantization_config`` a checkpoint quantized this way carries (``from_config`` reads it)."""
@@ -189,10 +192,13 @@ class ScaledLinearMethod(LinearMethodBase):
         layer.weight = nn.Parameter(self.config.quantize(layer.weight, scale, groups), requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
+    def dequantized_weights(self, layer: LinearBase, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """The weight ``apply`` multiplies by, by parameter name."""
+        return {"weight": self.config.dequantize(layer.weight, layer.get_parameter("weight_scale"),
+                                                 self.row_groups(layer), dtype)}
+
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        weight = self.config.dequantize(layer.weight, layer.get_parameter("weight_scale"), self.row_groups(layer),
-                                        x.dtype)
-        return F.linear(x, weight, bias)
+        return F.linear(x, self.dequantized_weights(layer, x.dtype)["weight"], bias)
 
 
 class ScaledMoEMethod(FusedMoEMethodBase):
@@ -239,6 +245,12 @@ class ScaledMoEMethod(FusedMoEMethodBase):
             setattr(layer, f"{name}_weight", nn.Parameter(self.config.quantize(weight, scale, groups),
                                                           requires_grad=False))
             setattr(layer, f"{name}_weight_scale", nn.Parameter(scale, requires_grad=False))
+
+    def dequantized_weights(self, layer: FusedMoE, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """Every expert's w13 and w2 as ``apply`` multiplies by them, by parameter name."""
+        return {f"{name}_weight": self.config.dequantize(layer.get_parameter(f"{name}_weight"),
+                                                         layer.get_parameter(f"{name}_weight_scale"), groups, dtype)
+                for name, groups in self.row_groups(layer).items()}
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
               ) -> torch.Tensor:
