@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine_ref.lora.config import LoRAConfig
+    from engine_ref.model_executor.layers.quantization.base_config import QuantizationConfig
     from engine_ref.model_executor.models.interfaces import ModelInfo
 
 ConfigT = TypeVar("ConfigT", bound=Mapping[str, Any])
@@ -146,12 +147,14 @@ def _seconds(name: str, value: Any, from_env: Callable[[], float | None], defaul
 
 @dataclass
 class ModelConfig:
-    """Which model to run: a Hugging Face layout directory, its dtype and context length."""
+    """Which model to run: a Hugging Face layout directory, its dtype and context length, and its
+    weight quantization (the method asked for; once EngineArgs resolved it, the method in use)."""
 
     model: str
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    quantization: str | None = None
     hf_config: HFConfig = field(init=False, repr=False)
     architecture: str = field(init=False)
 
@@ -352,6 +355,7 @@ class EngineConfig:
     device_config: DeviceConfig
     scheduler_config: SchedulerConfig
     lora_config: LoRAConfig | None = None  # None: LoRA not enabled
+    quant_config: QuantizationConfig | None = None  # None: unquantized weights
     model_info: ModelInfo | None = None
 
     def __post_init__(self) -> None:

@@ -14,9 +14,11 @@ from engine_ref.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from engine_ref.errors import ConfigError
+from engine_ref.errors import ConfigError, QuantizationError
 
 if TYPE_CHECKING:
+    from engine_ref.model_executor.layers.quantization.base_config import QuantizationConfig
+    from engine_ref.model_executor.models.interfaces import ModelInfo
     from engine_ref.model_executor.models.registry import _ModelRegistry
 
 
@@ -41,6 +43,7 @@ class EngineArgs:
     device_memory: str | int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
+    quantization: str | None = None
 
     def create_engine_config(self, registry: _ModelRegistry | None = None,
                              inspect_in_subprocess: bool = True) -> EngineConfig:
@@ -57,6 +60,7 @@ class EngineArgs:
         config = EngineConfig(
             model_config=ModelConfig(
                 model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
+                quantization=self.quantization,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -81,5 +85,24 @@ class EngineArgs:
             info = ModelInfo.from_model_cls(arch, registry.resolve_model_cls(arch))
         if config.parallel_config.tensor_parallel_size > 1 and not info.supports_tp:
             raise ConfigError(f"{arch} does not support tensor parallelism; use tensor_parallel_size=1.")
+        config.quant_config = self._create_quant_config(config.model_config, info)
         config.model_info = info
         return config
+
+    def _create_quant_config(self, model_config: ModelConfig, info: ModelInfo) -> QuantizationConfig | None:
+        """The checkpoint's quantization (config.json's quantization_config), else ``quantization=``'s
+        (converting at startup), if the architecture supports it; ``model_config.quantization`` becomes
+        the method in use."""
+        from engine_ref.model_executor.layers.quantization import get_quant_config
+
+        quant_config = get_quant_config(self.quantization, model_config.hf_config.get("quantization_config"))
+        if quant_config is None:
+            return None
+        if not info.supports_quantization:
+            asked = (f"quantization={self.quantization!r} was asked for" if self.quantization is not None else
+                     f"{model_config.model}/config.json says its weights are quantized ({quant_config.get_name()})")
+            raise QuantizationError(
+                f"{asked}, but {info.architecture} does not support quantization (its class does not declare "
+                f"SupportsQuant); start it without quantization (--quantization), from an unquantized checkpoint.")
+        model_config.quantization = quant_config.get_name()
+        return quant_config

@@ -34,7 +34,16 @@ class SupportsLoRA:
 
 
 class SupportsQuant:
-    """The model can load quantized checkpoints."""
+    """The model runs quantized weights (``quantization=`` or a checkpoint's ``quantization_config``):
+    its constructor takes ``quant_config`` and hands it, with each layer's module name as ``prefix``,
+    to every linear layer and MoE expert block, which ask it for their quant method
+    (``engine_ref.model_executor.layers.quantization``); embeddings, norms and the LM head stay unquantized.
+
+    Declared by Llama and the architectures built on it (Qwen2, Mixtral, Qwen3-MoE). Llava does not
+    declare it: its constructor builds the vision tower, the projector and its Llama language model
+    without a quant_config, so a quantized Llava checkpoint (whose modules to skip are named with
+    transformers' Llava prefixes) would not load; the config phase refuses it by name instead.
+    """
 
     supports_quantization: ClassVar[bool] = True
 
