@@ -8,6 +8,23 @@ of max_model_len fits (if not: which category overflows, and the largest max_mod
 
 Because the code is the engine's, the estimate of a tiny checkpoint equals what the engine measures
 when it starts on it, to the byte on CPU (``compare.compare_with_report``, tests/test_estimate.py).
+
+Quantization (``quantization="fp8"|"int8"``, or a checkpoint's ``quantization_config``) changes the
+weights only: each linear layer's and expert's weight at 1 byte per parameter plus its float32
+scales; embeddings, norms and the LM head stay in the model dtype; activations and the KV cache
+stay in the model dtype too. For example, Llama-3-8B (``models/configs/Meta-Llama-3-8B.json``,
+bfloat16, max_model_len 8192) at TP 1 on a 16 GiB device (budget 0.9 x 16 GiB = 14.40 GiB):
+unquantized, its 14.96 GiB of weights alone exceed the budget, so it does not fit. With fp8 the
+6.98e9 linear weights take 1 byte each and the 1.05e9 embedding and LM-head parameters 2, 8.46 GiB
+in all (plus 224 per-tensor scales of 4 B); with the 1.13 GiB activation peak of the 8192-token
+profile run, 4.82 GiB are left for the KV cache (128 KiB per token): 2466 blocks of 16 tokens,
+4.82 requests of 8192 tokens, so it fits (int8: 5.25 MiB of per-channel scales, 2463 blocks).
+The figures are what a rank holds once loaded. Converting at startup (``quantization="fp8"`` on
+the bfloat16 checkpoint), a rank first holds every weight in bfloat16 (14.96 GiB here, as in
+vLLM), then converts layer by layer with float32 temporaries of one weight (gate_up_proj: 0.44 GiB
+each). That load-time peak is not in the estimate; here it exceeds the budget and nears the whole
+16 GiB. A pre-quantized checkpoint (``engine-ref make-checkpoint ARCH DIR --quantization fp8``)
+never holds it.
 """
 
 from __future__ import annotations
@@ -41,6 +58,7 @@ def estimate_memory(
     max_model_len: int | None = None,
     max_num_batched_tokens: int | None = None,
     block_size: int = 16,
+    quantization: str | None = None,
     registry: _ModelRegistry | None = None,
 ) -> MemoryEstimate:
     """Predict each rank's weights, buffers, activation peak and KV cache, and whether max_model_len fits.
@@ -49,8 +67,9 @@ def estimate_memory(
     ``device_memory``: each rank's device capacity, e.g. "80GiB" or a byte count.
     The other arguments mean what they mean to the engine (``EngineArgs``), with the same
     defaults: max_model_len defaults to max_position_embeddings, max_num_batched_tokens to
-    ``kv_cache.sizing.default_max_num_batched_tokens(max_model_len)``. ``registry`` defaults to
-    engine_ref's ModelRegistry.
+    ``kv_cache.sizing.default_max_num_batched_tokens(max_model_len)``. ``quantization`` (or config.json's
+    ``quantization_config``): the weights the engine keeps after converting them, 1 byte per 8-bit weight
+    plus float32 scales (module docstring). ``registry`` defaults to engine_ref's ModelRegistry.
 
     Raises ConfigError (or a subclass: UnknownArchitectureError, MissingConfigField) for bad input.
     """
@@ -67,7 +86,8 @@ def estimate_memory(
         engine_config = _engine_config(model_dir, label, registry, device_memory=device_memory,
                                        tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                                       max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
+                                       max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                                       quantization=quantization)
         estimate = FakeEngine(engine_config, label, max_num_batched_tokens).estimate()
     estimate.seconds = time.perf_counter() - start
     return estimate

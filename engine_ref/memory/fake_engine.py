@@ -4,7 +4,8 @@ Each rank is the engine's own Worker, driven through the calls the executor make
 ``fake_tensors()`` (shapes without storage) and a simulated tensor-parallel group:
 
     Worker(config, rank)                       as the executor makes it
-    worker.load_model()                        load_format 'dummy': initialize_model, module_bytes
+    worker.load_model()                        load_format 'dummy': initialize_model, on-the-fly quantization
+                                               (process_weights_after_loading), module_bytes
     worker.determine_available_memory()        the profile run under ActivationTracker
     worker.get_kv_cache_spec()                 per-layer KV pages
 then EngineCore's sizing (``kv_cache.sizing.size_kv_cache``) over every rank's memory: the blocks
@@ -33,6 +34,7 @@ from engine_ref.kv_cache.spec import FullAttentionSpec, bytes_per_block
 from engine_ref.memory.accounting import MemoryUsage, module_bytes
 from engine_ref.memory.fake import fake_tensors
 from engine_ref.memory.result import MemoryEstimate
+from engine_ref.model_executor.layers.quantization.base_config import process_weights_after_loading
 from engine_ref.model_executor.model_loader.loaders import initialize_model
 from engine_ref.utils import cdiv, format_bytes
 from engine_ref.worker.worker import Worker
@@ -188,6 +190,7 @@ class FakeEngine:
         shared tensors once)."""
         with tensor_parallel_state(0, 1), building(self.config, self.label, world_size=1):
             whole = initialize_model(self.config, torch.device("meta"))
+            process_weights_after_loading(whole)  # quantized on the fly: the 8-bit weights and their scales
         return sum(p.numel() for p in whole.parameters()), *module_bytes(whole)
 
     def profile(self, ranks: list[FakeRank]) -> None:
