@@ -59,8 +59,15 @@ def _listening_inodes() -> set[str]:
 _PERSISTENT_CACHES = ("torchinductor_",)
 
 
-def _temp_entries() -> set[str]:
-    return {name for name in _listdir(tempfile.gettempdir()) if not name.startswith(_PERSISTENT_CACHES)}
+def temp_entries(root: str | None = None) -> set[str]:
+    """The entries of the temp dir ``root`` (default: the current one), with this process's own temp dir
+    (engine_ref.isolation.tempdirs, kept for the process's life) listed by what it holds: ``<dir>/<entry>``."""
+    from engine_ref.isolation.tempdirs import own_dir_in
+
+    root = root or tempfile.gettempdir()
+    own = own_dir_in(root)
+    entries = {name for name in _listdir(root) if not name.startswith(_PERSISTENT_CACHES) and name != own}
+    return entries | ({f"{own}/{name}" for name in _listdir(os.path.join(root, own))} if own else set())
 
 
 def _listdir(path: str) -> set[str]:
@@ -85,7 +92,7 @@ class ResourceSnapshot:
         fds = _fds()
         own_sockets = {target[8:-1] for target in fds.values() if target.startswith("socket:[")}
         return cls(frozenset(_children(os.getpid())), fds, frozenset(own_sockets & _listening_inodes()),
-                   frozenset(_temp_entries()), frozenset(_listdir("/dev/shm")))
+                   frozenset(temp_entries()), frozenset(_listdir("/dev/shm")))
 
     def leaked_since(self, before: ResourceSnapshot, ignore_regular_files: bool = False) -> list[str]:
         """Plain descriptions of what exists now but did not before.

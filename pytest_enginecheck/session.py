@@ -72,7 +72,10 @@ class EngineCheckSession:
     @property
     def workdir(self) -> str:
         if self._workdir is None:
-            self._workdir = tempfile.mkdtemp(prefix="enginecheck-")
+            from engine_ref.isolation.tempdirs import owner_dir
+
+            # In this process's own temp dir: a killed pytest run's checkpoints are swept at the next start.
+            self._workdir = tempfile.mkdtemp(prefix="enginecheck-", dir=owner_dir())
         return self._workdir
 
     def contexts(self, entry: ArchEntry, checks: tuple[str, ...]) -> list[CheckContext]:

@@ -31,7 +31,9 @@ from engine_ref.errors import ConfigError, EngineDeadError, WorkerStartupError
 from engine_ref.executor.multiproc import MultiprocExecutor, WorkerError
 from engine_ref.executor.protocol import RpcTimeoutError
 from engine_ref.isolation import RemoteTraceback, get_mp_context, run_isolated
+from engine_ref.isolation.tempdirs import owner_dir
 from engine_ref.model_executor.model_loader.checkpoint import example_config
+from pytest_enginecheck.leaks import temp_entries
 from tests import fault_models
 from tests.fault_models import fault_overrides
 
@@ -522,7 +524,7 @@ def _snapshot(tmp: Path) -> dict[str, Any]:
         "children": {p.pid for p in children},
         "fds": me.num_fds(),
         "listening ports": _listening_ports([me, *children]),
-        "temp entries": set(os.listdir(tmp)),
+        "temp entries": temp_entries(str(tmp)),  # and what this process's own temp dir holds
         "shared memory": set(os.listdir("/dev/shm")),
         "threads": sorted(t.name for t in threading.enumerate()),
     }
@@ -546,7 +548,8 @@ def test_twenty_start_stop_cycles_leave_nothing_behind(llama: Path, tiny_checkpo
         with_image = cycle % 5 == 0
         llm = LLM(str(llava if with_image else llama), tensor_parallel_size=2, **ENGINE)
         executor = executor_of(llm)
-        assert Path(executor.distributed_init_method.removeprefix("file://")).parent.parent == private_tmp
+        store = Path(executor.distributed_init_method.removeprefix("file://"))
+        assert store.parent.parent == Path(owner_dir()) and store.parent.parent.parent == private_tmp
         pids = [w.pid for w in llm.startup_report.workers]
         if with_image:
             llm.generate([image_prompt], max_tokens=2, images=[torch.zeros(3, 32, 32)], ignore_eos=True)

@@ -8,8 +8,10 @@ instead, and falls back to spawn, with a warning, once this process has initiali
 starts a fresh interpreter per worker. No path forks a process that has initialized CUDA.
 
 Rendezvous. Each engine's ranks meet through a torch.distributed FileStore in a private temp dir
-(``file://<mkdtemp>/store``), made at startup and removed once every rank is ready (the groups are
-formed by then; a failed startup removes it at shutdown). No port is chosen at all: a
+(``file://<mkdtemp>/store``, inside this process's own temp dir, see engine_ref.isolation.tempdirs),
+made at startup and removed once every rank is ready (the groups are formed by then; a failed
+startup removes it at shutdown, and a parent killed before READY leaves it to the next start's
+sweep). No port is chosen at all: a
 port found free by probing can be taken by another engine before rank 0 binds it, whereas a fresh
 directory belongs to one engine. gloo's own connections bind ports the kernel picks.
 
@@ -70,6 +72,7 @@ from engine_ref.isolation import (
     get_mp_context,
     start_process,
 )
+from engine_ref.isolation.tempdirs import owner_dir
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +175,7 @@ class MultiprocExecutor(Executor):
         self._ready = False
         _live_executors.add(self)
         try:
-            self._tmp_dir = tempfile.mkdtemp(prefix="engine_ref-mp-")
+            self._tmp_dir = tempfile.mkdtemp(prefix="mp-", dir=owner_dir())
             self.distributed_init_method = f"file://{self._tmp_dir}/store"
             for rank in range(self.world_size):  # all of them before waiting on any
                 self.workers.append(

@@ -23,7 +23,6 @@ import faulthandler
 import os
 import shutil
 import signal
-import tempfile
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from engine_ref.executor.protocol import (
 )
 from engine_ref.isolation import ERROR, Deadline
 from engine_ref.isolation.process import request_stacks
+from engine_ref.isolation.tempdirs import mkdtemp_beside
 from engine_ref.isolation.wait import read_burst
 
 STACK_DUMP_WAIT_S = 1.0  # at most, for an actor's faulthandler to start writing its stacks
@@ -83,7 +83,7 @@ class RayDistributedExecutor(Executor):
         self.dead_reason: str | None = None
         self.actors: list[Any] = []
         self.pids: list[int | None] = [None] * self.world_size
-        self._tmp_dir = tempfile.mkdtemp(prefix="engine_ref-ray-")
+        self._tmp_dir = mkdtemp_beside("ray")  # swept if this process is killed
         self.distributed_init_method = f"file://{self._tmp_dir}/store"
         self.started_ray = False
         try:

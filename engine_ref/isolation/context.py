@@ -19,6 +19,7 @@ from typing import Any, cast
 
 from engine_ref import envs
 from engine_ref.errors import ConfigError
+from engine_ref.isolation.tempdirs import adopt_multiprocessing_tempdir
 
 PRELOAD_MODULES = ["engine_ref.warmup"]  # extend with add_preload_modules()
 START_METHODS = ("forkserver", "spawn", "fork")
@@ -103,6 +104,7 @@ def get_mp_context() -> MPContext:
     ctx = cast(MPContext, multiprocessing.get_context(method))
     if ctx.get_start_method() == "forkserver":
         ctx.set_forkserver_preload(PRELOAD_MODULES)
+        adopt_multiprocessing_tempdir()  # the forkserver's socket: in this process's temp dir, swept if it is killed
     return ctx
 
 

@@ -25,6 +25,7 @@ from engine_ref.isolation.context import (
     in_isolated_group,
     launching,
 )
+from engine_ref.isolation.tempdirs import inherit, owner_dir
 from engine_ref.isolation.wait import read_burst
 
 _death_pipe: Connection | None = None  # kept open for the life of the child
@@ -36,6 +37,7 @@ class _ChildSetup:
     pgid: int  # 0: lead a new group
     death_r: Connection
     stack_w: Connection
+    tmp_dir: str  # the owner's temp dir (engine_ref.isolation.tempdirs): the child's tempfile.tempdir
     death_w: Connection | None = None  # set under "fork" only: the inherited copy to close in the child
 
 
@@ -63,6 +65,7 @@ def _child_main(setup: _ChildSetup, target: Callable[..., Any], args: tuple) -> 
     except OSError:  # the caller's group is gone or in another session: lead our own
         os.setpgid(0, 0)
     enter_isolated_group()
+    inherit(setup.tmp_dir)
     if cuda_initialized():
         raise RuntimeError(
             f"the warm parent of this {multiprocessing.get_start_method()} child has initialized CUDA, so the "
@@ -177,7 +180,7 @@ def start_process(target: Callable[..., Any], *args: Any, name: str = "engine_re
     death_r, death_w = ctx.Pipe(duplex=False)
     stack_r, stack_w = ctx.Pipe(duplex=False)
     pgid = os.getpgrp() if in_isolated_group() else 0
-    setup = _ChildSetup(env=dict(os.environ), pgid=pgid, death_r=death_r, stack_w=stack_w,
+    setup = _ChildSetup(env=dict(os.environ), pgid=pgid, death_r=death_r, stack_w=stack_w, tmp_dir=owner_dir(),
                         death_w=death_w if ctx.get_start_method() == "fork" else None)
     process = ctx.Process(target=_child_main, args=(setup, target, args), name=name, daemon=False)
     try:
