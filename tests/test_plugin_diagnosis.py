@@ -1,0 +1,66 @@
+"""The load check's TP diagnosis through ``pytest --enginecheck``: each of three TP bugs (tests/plugin_zoo/zoo
+tp_models.py, engine_models.py) is named at its layer with its kind: a weight sharded wrongly, a missing
+collective, a row-parallel layer declared column-parallel."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ZOO = Path(__file__).parent / "plugin_zoo"
+
+
+@pytest.fixture(scope="module")
+def load_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, dict]]:
+    """One ``pytest --enginecheck`` run of the load check over the TP zoo, in a subprocess (shared by the tests:
+    it starts a dozen engines and diagnoses three)."""
+    run_dir = tmp_path_factory.mktemp("tp-zoo")
+    shutil.copytree(ZOO, run_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    report = run_dir / "report.json"
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--enginecheck",
+                          "--enginecheck-target=zoo.tp_registry:REGISTRY", "--enginecheck-checks=load",
+                          f"--enginecheck-json={report}"],
+                         cwd=run_dir, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "PYTHONPATH": str(run_dir)})
+    results = json.loads(report.read_text())["results"]
+    return out.stdout, {r["arch"]: r for r in results if r["check"] == "load[tp=2]"}
+
+
+def test_every_tp1_load_passes_and_every_tp2_fails(load_results: tuple[str, dict[str, dict]]) -> None:
+    stdout, tp2 = load_results
+    assert {arch: r["outcome"] for arch, r in tp2.items()} == dict.fromkeys(
+        ["BadShardLlamaForCausalLM", "RowAsColumnLlamaForCausalLM", "NoAllReduceLlamaForCausalLM"], "failed")
+    assert "3 failed, 3 passed" in stdout
+
+
+def test_a_mis_sharded_weight_is_named_with_the_columns_it_holds(load_results: tuple[str, dict[str, dict]]) -> None:
+    message = load_results[1]["BadShardLlamaForCausalLM"]["message"]
+    assert message.startswith("At tensor_parallel_size=2, BadShardLlamaForCausalLM generates different tokens")
+    assert ("The first module whose output differs between tensor_parallel_size=1 and 2 is "
+            "model.layers.0.mlp.down_proj (MirroredRowParallelLinear): its weights do not reassemble to the TP=1 "
+            "weights (rank 0's weight holds input columns 64:128 of the TP=1 weight, not its own 0:64): a sharding "
+            "bug in its weight_loader.") in message
+
+
+def test_a_missing_all_reduce_reads_as_a_collective_bug(load_results: tuple[str, dict[str, dict]]) -> None:
+    message = load_results[1]["NoAllReduceLlamaForCausalLM"]["message"]
+    assert ("is model.layers.0.self_attn.o_proj (RowParallelLinear): its weights reassemble to the TP=1 weights, "
+            "but its output does not") in message
+    assert "a missing or extra collective" in message
+
+
+def test_a_row_parallel_layer_declared_column_parallel_reads_as_that(
+        load_results: tuple[str, dict[str, dict]]) -> None:
+    result = load_results[1]["RowAsColumnLlamaForCausalLM"]
+    assert result["message"] == (
+        "RowAsColumnLlamaForCausalLM fails to start at tensor_parallel_size=2: model.layers.0.self_attn.o_proj is "
+        "declared column-parallel (ColumnParallelLinear), but its input arrives sharded (width 32 of 64 on each "
+        "rank, the output of a column-parallel layer before it): a layer whose input is sharded is row-parallel. "
+        "Make model.layers.0.self_attn.o_proj a RowParallelLinear.")
+    assert "Traceback" not in load_results[0]  # one sentence, not the engine's shape error
