@@ -8,6 +8,7 @@ transformers class, or whose config refuses the tiny sizes, raises NoTinyCheckpo
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -75,6 +76,10 @@ def make_tiny_checkpoint(architecture: str, path: Path, model_cls: type | None =
     except Exception as e:  # noqa: BLE001 - transformers' own limits, not the vLLM model's fault
         raise NoTinyCheckpoint(f"transformers cannot build a tiny {architecture}: {type(e).__name__}: {e}") from None
     model.save_pretrained(path, safe_serialization=True)
+    config_path = Path(path) / "config.json"
+    saved = json.loads(config_path.read_text())
+    saved["architectures"] = [architecture]  # save_pretrained writes the transformers class's name
+    config_path.write_text(json.dumps(saved, indent=2))
     return path
 
 

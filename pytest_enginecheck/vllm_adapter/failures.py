@@ -36,7 +36,7 @@ class EngineFailure:
 
 
 def _is_user(filename: str) -> bool:
-    return not (filename.startswith(_LIBRARY_DIRS) or filename.startswith("<")
+    return os.path.isabs(filename) and not (filename.startswith(_LIBRARY_DIRS)
                 or f"{os.sep}pytest_enginecheck{os.sep}" in filename)
 
 

@@ -64,16 +64,20 @@ def register_hungry():
                                  "class EctpCudaForCausalLM(LlamaForCausalLM):\n    pass\n",
     "ectp/models/cuda_helper.py": "import torch\n\nDEVICE_NAME = torch.cuda.get_device_name(0)\n",
     "ectp/models/bad_shard.py": _LLAMA + '''\
-def _rank0_slice_loader(param, loaded_weight):
-    # The bug under test: a row-parallel weight loaded without its rank's offset.
-    param.data.copy_(loaded_weight.narrow(1, 0, param.shape[1]))
+from vllm.distributed import get_tensor_model_parallel_world_size
+
+
+def _without_rank_offset(name, weight):
+    # The bug under test: every rank loads rank 0's input slice of the row-parallel o_proj.
+    tp = get_tensor_model_parallel_world_size()
+    if name.endswith("o_proj.weight") and tp > 1:
+        return weight[:, : weight.shape[1] // tp].repeat(1, tp)
+    return weight
 
 
 class EctpBadShardForCausalLM(LlamaForCausalLM):
-    def __init__(self, *, vllm_config, prefix=""):
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        for layer in self.model.layers:
-            layer.self_attn.o_proj.weight.weight_loader = _rank0_slice_loader
+    def load_weights(self, weights):
+        return super().load_weights((name, _without_rank_offset(name, w)) for name, w in weights)
 ''',
     "ectp/models/hungry.py": "import torch\n\n" + _LLAMA + '''\
 class EctpHungryForCausalLM(LlamaForCausalLM):

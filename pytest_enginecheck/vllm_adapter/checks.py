@@ -1,0 +1,227 @@
+"""The checks of ``--enginecheck-target=vllm``, each run in a warm check child like engine_ref's.
+
+``CHECK_FUNCTIONS[check](ctx)`` returns the passing result's detail or raises CheckFailure /
+CheckSkip, the contract of ``pytest_enginecheck.checks``. The child first loads vLLM's general
+plugins under the guard (``registry.list_architectures``), as vLLM's own processes do.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
+from pytest_enginecheck.checks.import_check import _import_failure, _trim_chain
+from pytest_enginecheck.guard import CudaAccess
+from pytest_enginecheck.vllm_adapter import registry
+from pytest_enginecheck.vllm_adapter.checkpoints import NoTinyCheckpoint, tiny_checkpoint
+from pytest_enginecheck.vllm_adapter.engine import EngineRun, EngineStartError, run_engine
+from pytest_enginecheck.vllm_adapter.env import redirect_caches
+from pytest_enginecheck.vllm_adapter.plugins import PluginEntry, list_plugins, run_in_inspection_subprocess, run_plugin
+from pytest_enginecheck.vllm_adapter.probe import probe
+
+DEFAULT_BUDGET = "512MiB"
+
+
+def _entry(ctx: CheckContext) -> registry.VllmArch:
+    redirect_caches(ctx.workdir)
+    entries = {e.architecture: e for e in registry.list_architectures(strict=ctx.strict)}
+    if ctx.architecture not in entries:
+        raise CheckFailure(f"{ctx.architecture} is no longer in vLLM's registry (was its plugin removed?)",
+                           {"kind": "missing_architecture"})
+    return entries[ctx.architecture]
+
+
+def _cuda_failure(what: str, access: CudaAccess, module: str) -> CheckFailure:
+    access.chain = _trim_chain(access, module)
+    verb = "queried CUDA" if access.kind == "query" else "touched CUDA"
+    return CheckFailure(f"{what} {verb}: it {access.describe()}\n{access.fix_hint}",
+                        {**access.to_dict(), "kind": "cuda", "access": access.kind})
+
+
+def _model_class(ctx: CheckContext, entry: registry.VllmArch) -> type:
+    """The architecture's class, imported and looked up under the guard; failures as the import check words them."""
+    result = registry.import_model_class(entry, strict=ctx.strict)
+    if result.accesses:
+        raise _cuda_failure(f"Importing {entry.module}", result.accesses[0], entry.module)
+    if isinstance(result.error, AttributeError) and entry.module in str(result.error):
+        raise CheckFailure(
+            f"Module {entry.module} imports cleanly but has no class {entry.class_name!r}, which "
+            f"{ctx.architecture} is registered as; fix the registration or define the class.",
+            {"kind": "missing_class", "module": entry.module, "class": entry.class_name})
+    if result.error is not None:
+        raise _import_failure(ctx, result.error)
+    assert result.model_cls is not None
+    return result.model_cls
+
+
+def run_import(ctx: CheckContext) -> dict[str, Any]:
+    """import: the module imports and its class is found, with no CUDA (class lookup under the guard too)."""
+    entry = _entry(ctx)
+    _model_class(ctx, entry)
+    return {"module": entry.module, "class": entry.class_name, "registered_as": entry.registered_as}
+
+
+def run_inspect(ctx: CheckContext, mode: str = "fork") -> dict[str, Any]:
+    """inspect: vLLM's ModelInfo, built in this warm fork (default) or by vLLM's own subprocess."""
+    entry = _entry(ctx)
+    if mode == "subprocess":
+        try:
+            return registry.inspect_in_subprocess(ctx.architecture)
+        except registry.InspectionError as e:
+            raise CheckFailure(f"vLLM could not inspect {ctx.architecture}: {e.cause}\n{e.output}",
+                               {"kind": "inspection", "mode": mode}) from None
+    model_cls = _model_class(ctx, entry)
+    try:
+        info, accesses = registry.inspect_in_fork(model_cls, strict=ctx.strict)
+    except Exception as e:  # noqa: BLE001 - the class's own error while vLLM inspects it
+        raise CheckFailure(f"vLLM could not inspect {ctx.architecture}: {type(e).__name__}: {e}",
+                           {"kind": "inspection", "mode": mode}) from None
+    if accesses:
+        raise _cuda_failure(f"Inspecting {ctx.architecture}", accesses[0], entry.module)
+    return info
+
+
+def run_plugin_check(ctx: CheckContext, entry: PluginEntry) -> dict[str, Any]:
+    """plugins: one entry point loads without CUDA and without error, here and in vLLM's inspection subprocess."""
+    redirect_caches(ctx.workdir)
+    who = f"vLLM plugin {entry.name!r} ({entry.value}) of distribution {entry.distribution}"
+    outcome = run_plugin(entry, strict=ctx.strict)
+    if outcome.accesses:
+        raise _cuda_failure(f"Loading {who}", outcome.accesses[0], entry.module)
+    if outcome.error is not None:
+        raise CheckFailure(f"Loading {who} raised {type(outcome.error).__name__}: {outcome.error}",
+                           {"kind": "plugin_error", "traceback": outcome.traceback})
+    ok, output = run_in_inspection_subprocess(entry)
+    if not ok:
+        root = registry._root_line(output)
+        raise CheckFailure(f"Loading {who} fails in vLLM's inspection subprocess ({' '.join(probe().subprocess_command)}): "
+                           f"{root}\n{output}", {"kind": "plugin_subprocess"})
+    return {"entry_point": entry.value, "distribution": entry.distribution}
+
+
+def _checkpoint(ctx: CheckContext) -> str:
+    reason = probe().cpu_backend()
+    if reason:
+        raise CheckSkip(reason)
+    entry = _entry(ctx)
+    model_cls = _model_class(ctx, entry)
+    try:
+        return str(tiny_checkpoint(ctx.architecture, ctx.workdir, model_cls))
+    except NoTinyCheckpoint as e:
+        raise CheckSkip(f"no tiny checkpoint can be made: {e}") from None
+
+
+def _start(ctx: CheckContext, ckpt: str, tp: int, mode: str) -> EngineRun:
+    try:
+        return run_engine(ckpt, tp, mode, timeout=max(10.0, ctx.timeout * 0.8))
+    except EngineStartError as e:
+        raise CheckFailure(e.failure.describe(ctx.architecture, tp),
+                           {"kind": "engine", "phase": e.failure.phase, "rank": e.failure.rank,
+                            "traceback": e.failure.traceback}) from None
+
+
+def _shared_run(ctx: CheckContext, ckpt: str, tp: int, mode: str) -> EngineRun:
+    """One engine start per (architecture, TP, mode) for load and budget, kept in the session's workdir."""
+    import json
+    from dataclasses import asdict
+
+    path = os.path.join(ctx.workdir, "vllm-runs", f"{ctx.architecture}-tp{tp}-{mode}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return EngineRun(**json.load(f))
+    run = _start(ctx, ckpt, tp, mode)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(asdict(run), f)
+    os.replace(path + ".tmp", path)
+    return run
+
+
+def _verify_tp(ckpt: str, tp: int) -> None:
+    import json
+
+    with open(os.path.join(ckpt, "config.json")) as f:
+        config = json.load(f)
+    heads = config.get("num_attention_heads", 1)
+    if heads % tp:
+        raise CheckSkip(f"num_attention_heads={heads} cannot be split over tensor_parallel_size={tp}")
+
+
+def run_load(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
+    """load[tp=N]: vLLM builds, loads and generates at TP=N, and its greedy tokens equal TP=1's (float32)."""
+    ckpt = _checkpoint(ctx)
+    _verify_tp(ckpt, ctx.tp)
+    run = _shared_run(ctx, ckpt, ctx.tp, mode)
+    detail = {"tensor_parallel_size": ctx.tp, "tokens": run.tokens, "seconds": run.seconds}
+    if ctx.tp == 1:
+        return detail
+    reference = _shared_run(ctx, ckpt, 1, mode)
+    for i, (got, want) in enumerate(zip(run.tokens, reference.tokens, strict=True)):
+        if got != want:
+            position = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            raise CheckFailure(
+                f"{ctx.architecture} at tensor_parallel_size={ctx.tp} generates other greedy tokens than at "
+                f"tensor_parallel_size=1 (float32): prompt {i} differs from token {position} on ({got} vs {want}). "
+                f"A weight is probably sharded wrongly: check the weight_loader and packed_modules_mapping of "
+                f"its parallel layers (a row-parallel weight needs its rank's input slice).",
+                {**detail, "kind": "tp_mismatch", "reference_tokens": reference.tokens})
+    return detail
+
+
+def run_budget(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
+    """budget[tp=N]: each rank's weights, buffers, activation peak and one request's KV fit the budget."""
+    from engine_ref.utils import format_bytes, parse_size
+
+    ckpt = _checkpoint(ctx)
+    _verify_tp(ckpt, ctx.tp)
+    budget = ctx.device_memory or DEFAULT_BUDGET
+    run = _shared_run(ctx, ckpt, ctx.tp, mode)
+    limit = parse_size(budget)
+    over = [m for m in run.memory if m["needs"] > limit]
+    detail = {"tensor_parallel_size": ctx.tp, "budget": budget, "memory_per_rank": run.memory}
+    if over:
+        raise CheckFailure(f"{ctx.architecture} at tensor_parallel_size={ctx.tp}: " + "; ".join(
+            f"rank {m['rank']} needs {format_bytes(m['needs'])} (weights {format_bytes(m['weights'])}, activations "
+            f"{format_bytes(m['activation_peak'])}, KV {format_bytes(m['kv_one_request'])} for one request of "
+            f"max_model_len, buffers {format_bytes(m['buffers'])}) but the budget is {budget}" for m in over),
+            {**detail, "kind": "budget"})
+    return detail
+
+
+def run_startup(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
+    """startup: vLLM starts and stops at the largest TP size; no process, fd, temp entry or shm segment is left."""
+    from pytest_enginecheck.checks.startup_check import _watch_only_this_engine
+    from pytest_enginecheck.leaks import ResourceSnapshot, wait_for_no_leaks
+
+    ckpt = _checkpoint(ctx)
+    tp = max(t for t in (*ctx.tp_sizes, 1) if t == 1 or _fits(ckpt, t))
+    # vLLM binds ZeroMQ IPC sockets in TMPDIR: the private one must stay under the 107-byte socket path limit.
+    short_root = tempfile.mkdtemp(prefix="ecv-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    try:
+        _watch_only_this_engine(short_root)
+        before = ResourceSnapshot.take()
+        run = _start(ctx, ckpt, tp, mode)
+        leaks = wait_for_no_leaks(before, ignore_regular_files=True)
+    finally:
+        shutil.rmtree(short_root, ignore_errors=True)
+    if leaks:
+        raise CheckFailure(f"{ctx.architecture} started and shut down at tensor_parallel_size={tp}, but left behind: "
+                           f"{'; '.join(leaks)}.", {"kind": "leak", "leaks": leaks})
+    return {"tensor_parallel_size": tp, "seconds": run.seconds}
+
+
+def _fits(ckpt: str, tp: int) -> bool:
+    try:
+        _verify_tp(ckpt, tp)
+    except CheckSkip:
+        return False
+    return True
+
+
+CHECK_FUNCTIONS: dict[str, Callable[[CheckContext], dict[str, Any]]] = {
+    "import": run_import, "inspect": run_inspect, "load": run_load, "budget": run_budget, "startup": run_startup,
+}

