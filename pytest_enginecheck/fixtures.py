@@ -105,7 +105,9 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     def start(model: str | os.PathLike[str], **kwargs: Any) -> Any:
         from engine_ref.entrypoints.llm import LLM
         from engine_ref.model_executor.model_loader.checkpoint import make_checkpoint
+        from engine_ref.plugins import load_general_plugins
 
+        load_general_plugins()  # a plugin's architecture is a valid name here, as in LLM(...)
         path = Path(model)
         if not path.exists():
             path = make_checkpoint(str(model), tmp_path_factory.mktemp(str(model)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -19,6 +20,8 @@ HELP = {
     "json": "write the results as JSON to this path",
     "strict": "also fail an import that calls torch.cuda.is_available()/device_count() (cuInit on GPU hosts)",
     "device_memory": "predict the fit of each architecture's full-size config on a device of this size, e.g. 80GiB",
+    "trace": "write a Chrome trace-event JSON of every engine start the checks make into this directory (one "
+             "track per rank; open it in https://ui.perfetto.dev or chrome://tracing)",
 }
 
 
@@ -40,6 +43,7 @@ def add_options(parser: pytest.Parser) -> None:
     _add(group, parser, "json", metavar="PATH")
     _add(group, parser, "strict", ini_type="bool", action="store_true", default=None)
     _add(group, parser, "device_memory", metavar="SIZE")
+    _add(group, parser, "trace", metavar="DIR")
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class Settings:
     json_path: str | None
     strict: bool
     device_memory: str | None
+    trace_dir: str | None = None  # ENGINE_REF_TRACE_DIR of the check children's engines
 
 
 def _get(config: pytest.Config, dest: str) -> object:
@@ -107,4 +112,6 @@ def resolve_settings(config: pytest.Config) -> Settings:
         json_path=_get(config, "enginecheck_json") or None,
         strict=bool(_get(config, "enginecheck_strict")),
         device_memory=str(device_memory) if device_memory else None,
+        trace_dir=(os.path.abspath(str(_get(config, "enginecheck_trace")))
+                   if _get(config, "enginecheck_trace") else None),
     )

@@ -7,6 +7,7 @@ closes the run with the summary table and the JSON report.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from typing import Any
@@ -33,6 +34,9 @@ class EngineCheckSession:
         from pytest_enginecheck.targets import TARGET_PRELOAD
 
         add_preload_modules(*CHILD_MODULES, *TARGET_PRELOAD.get(settings.target, ()))
+        if settings.trace_dir:  # the check children inherit it: each engine start writes its trace there
+            os.makedirs(settings.trace_dir, exist_ok=True)
+            os.environ["ENGINE_REF_TRACE_DIR"] = settings.trace_dir
         self.config = config
         self.settings = settings
         self.results: list[dict[str, Any]] = []
@@ -84,7 +88,16 @@ class EngineCheckSession:
         return [CheckContext(check=check, spec=s.target, architecture=entry.architecture, module=entry.module,
                              class_name=entry.class_name, workdir=self.workdir, tp=tp, tp_sizes=s.tp_sizes,
                              strict=s.strict, device_memory=s.device_memory, timeout=s.timeout)
-                for check in checks for tp in (s.tp_sizes if check in TP_CHECKS else (1,))]
+                for check in checks if check != "plugins" for tp in (s.tp_sizes if check in TP_CHECKS else (1,))]
+
+    def plugin_contexts(self, description: TargetDescription) -> dict[str, list[CheckContext]]:
+        """The plugins check: one item per general-plugin entry point, ``enginecheck::plugin:<name>::plugins``."""
+        s = self.settings
+        return {f"plugin:{name}": [CheckContext(check="plugins", spec=s.target, architecture=f"plugin:{name}",
+                                                module=value.split(":")[0], class_name=distribution,
+                                                workdir=self.workdir, strict=s.strict, timeout=s.timeout,
+                                                plugin=name)]
+                for name, value, distribution in description.plugins}
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
@@ -93,6 +106,8 @@ class EngineCheckSession:
         description = self.describe_target()  # now: a bad target is a usage error, not a collection error
         checks = self.select_checks(description)
         contexts = {entry.architecture: self.contexts(entry, checks) for entry in description.entries}
+        if "plugins" in checks:
+            contexts = {**self.plugin_contexts(description), **contexts}
         collector = EngineCheckCollector.from_parent(session, name="enginecheck", nodeid="enginecheck",
                                                      contexts=contexts)
         items.extend(session.genitems(collector))

@@ -48,6 +48,7 @@ class TargetDescription:
     kind: str  # "engine_ref" | "mapping" | "vllm"
     entries: tuple[ArchEntry, ...]
     checks: tuple[str, ...]
+    plugins: tuple[tuple[str, str, str], ...] = ()  # the target's general plugins: (name, value, distribution)
 
 
 def _split(spec: str) -> tuple[str, str]:
@@ -66,7 +67,7 @@ def resolve(spec: str) -> tuple[str, Any]:
         from engine_ref.model_executor.models.registry import ModelRegistry
         from engine_ref.plugins import load_general_plugins
 
-        load_general_plugins()
+        load_general_plugins(raise_on_failure=False)  # a failing plugin is the plugins check's to report
         return "engine_ref", ModelRegistry
     if spec == "vllm":
         try:
@@ -111,11 +112,15 @@ def describe(spec: str) -> TargetDescription:
     elif kind == "vllm":
         entries = tuple(ArchEntry(arch, m.module_name, m.class_name) for arch, m in obj.models.items()
                         if hasattr(m, "module_name"))
-        checks = MAPPING_CHECKS
+        checks = (*MAPPING_CHECKS, "plugins")
     else:
         entries = tuple(ArchEntry(arch, *value.split(":")) for arch, value in obj.items())
         checks = MAPPING_CHECKS
-    return TargetDescription(spec, kind, entries, checks)
+    from pytest_enginecheck.checks.plugins_check import loader
+
+    plugins = loader(spec)
+    listed = tuple((e.name, e.value, e.distribution) for e in plugins.list_plugins()) if plugins else ()
+    return TargetDescription(spec, kind, entries, checks, listed)
 
 
 def engine_ref_registry(spec: str) -> Any:

@@ -9,6 +9,9 @@
 
 from __future__ import annotations
 
+import os
+
+from engine_ref import envs
 from engine_ref.config import EngineConfig
 from engine_ref.engine.arg_utils import EngineArgs
 from engine_ref.engine.report import PhaseTimer, StartupReport
@@ -51,8 +54,13 @@ class EngineCore:
             architecture=model.architecture, model=model.model,
             tensor_parallel_size=self.config.parallel_config.tensor_parallel_size,
             executor_backend=self.config.parallel_config.distributed_executor_backend,
-            kv_cache=kv_cache, phases=timer.seconds, workers=workers,
+            kv_cache=kv_cache, phases=timer.seconds, workers=workers, spans=timer.spans, pid=os.getpid(),
         )
+        trace_dir = envs.trace_dir()
+        if trace_dir:
+            from engine_ref.tracing import trace_file_name, write_startup_trace
+
+            write_startup_trace(self.startup_report, os.path.join(trace_dir, trace_file_name(self.startup_report)))
 
     def _initialize_kv_caches(self) -> KVCacheSizing:
         """Size the KV cache from the most constrained rank and allocate it on every rank."""

@@ -14,19 +14,33 @@ from engine_ref.memory.accounting import MemoryUsage
 from engine_ref.utils import format_bytes
 
 
+@dataclass(frozen=True)
+class Span:
+    """One timed step: its name, its start and end on the machine's monotonic clock (comparable across
+    the engine's processes), and what it did (``args``: bytes read, a file name...)."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    args: dict[str, Any] = field(default_factory=dict)
+
+
 class PhaseTimer:
-    """Records how long each named phase took, in order."""
+    """Records how long each named phase took, in order, and each one's span (for the startup trace)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.spans: list[Span] = []
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
+        start = time.monotonic_ns()
         try:
             yield
         finally:
-            self.seconds[name] = time.perf_counter() - start
+            end = time.monotonic_ns()
+            self.seconds[name] = (end - start) / 1e9
+            self.spans.append(Span(name, start, end))
 
 
 @dataclass
@@ -39,6 +53,7 @@ class WorkerReport:
     phases: dict[str, float]
     bytes_read: int
     memory: MemoryUsage
+    spans: list[Span] = field(default_factory=list)  # its steps, and each file load_model read
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "memory": self.memory.to_dict()}
@@ -55,6 +70,8 @@ class StartupReport:
     kv_cache: KVCacheSizing
     phases: dict[str, float] = field(default_factory=dict)
     workers: list[WorkerReport] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)  # the engine's phases, for the startup trace
+    pid: int = 0  # the engine's process
 
     @property
     def max_model_len(self) -> int:

@@ -9,22 +9,31 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from engine_ref import envs
 from engine_ref.errors import EngineRefError
 
 DASH_VALUE_OPTIONS = ("--device-memory",)  # options whose value may start with "-" ("-1GiB"): see main()
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="number of ranks the model is sharded over (default: 1)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the ranks run (default: cpu)")
     parser.add_argument("--device-memory", default=None,
                         help="device capacity, e.g. 8GiB (simulated on CPU; default 4GiB there)")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy", "pt"])
-    parser.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"])
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest request in tokens (default: the model's max_position_embeddings)")
+    parser.add_argument("--dtype", default="auto",
+                        help="float32, float16 or bfloat16 (default auto: config.json's torch_dtype)")
+    parser.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy", "pt"],
+                        help="how weights are read: safetensors files, random (dummy), or pytorch_model.bin (pt)")
+    parser.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+                        help="uni: in this process, mp: one process per rank, ray (default: uni at TP=1, else mp)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of each rank's device memory the engine may use (default: 0.9)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per scheduled batch, which sizes the profile run (default: max(max_model_len, "
+                             "2048))")
 
 
 def cmd_startup(args: argparse.Namespace) -> int:
@@ -32,7 +41,9 @@ def cmd_startup(args: argparse.Namespace) -> int:
     from engine_ref.entrypoints.llm import LLM
     from engine_ref.model_executor.model_loader.checkpoint import make_checkpoint
     from engine_ref.model_executor.models.registry import ModelRegistry
+    from engine_ref.plugins import load_general_plugins
 
+    load_general_plugins()  # before the registry is asked: a plugin's architecture is a valid MODEL
     with tempfile.TemporaryDirectory(prefix="engine_ref-") as tmp:
         model = args.model
         if not Path(model).exists() and model in ModelRegistry.get_supported_archs():
@@ -47,6 +58,11 @@ def cmd_startup(args: argparse.Namespace) -> int:
         with llm:
             report = llm.startup_report
             print(report.to_json() if args.json else report.format_table())
+        if args.trace:
+            from engine_ref.tracing import write_startup_trace
+
+            print(f"startup trace written to {write_startup_trace(report, args.trace)} "
+                  f"(open it in https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr)
     return 0
 
 
@@ -66,7 +82,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     """Write a tiny random HF-layout checkpoint of an architecture."""
     from engine_ref.model_executor.model_loader.checkpoint import make_checkpoint
+    from engine_ref.plugins import load_general_plugins
 
+    load_general_plugins()
     path = make_checkpoint(args.architecture, args.path, seed=args.seed, dtype=args.dtype,
                            num_shards=args.num_shards)
     print(f"wrote {args.architecture} checkpoint to {path}")
@@ -74,7 +92,8 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare_model_info(args: argparse.Namespace) -> int:
-    """Inspect architectures in parallel warm processes and fill the ModelInfo cache."""
+    """Inspect architectures in parallel warm processes and fill the ModelInfo cache
+    (ENGINE_REF_CACHE_ROOT/modelinfos, by default ~/.cache/engine_ref/modelinfos)."""
     from engine_ref.model_executor.models.registry import ModelRegistry
     from engine_ref.plugins import load_general_plugins
 
@@ -87,6 +106,7 @@ def cmd_prepare_model_info(args: argparse.Namespace) -> int:
             print(f"FAILED {arch}: {result}", file=sys.stderr)
         else:
             print(f"ok     {arch}")
+    print(f"ModelInfo cache: {envs.cache_root() / 'modelinfos'}")
     return 1 if failed else 0
 
 
@@ -114,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="a model directory, or a registered architecture (a tiny checkpoint is made)")
     _add_engine_args(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--trace", metavar="FILE", default=None,
+                   help="also write a Chrome trace-event JSON of the startup (one track per rank) to FILE; "
+                        "open it in https://ui.perfetto.dev or chrome://tracing")
     commands["startup"] = cmd_startup
 
     p = sub.add_parser("estimate", help=cmd_estimate.__doc__)
@@ -129,16 +152,19 @@ def build_parser() -> argparse.ArgumentParser:
     commands["estimate"] = cmd_estimate
 
     p = sub.add_parser("make-checkpoint", help=cmd_make_checkpoint.__doc__)
-    p.add_argument("architecture")
-    p.add_argument("path")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--num-shards", type=int, default=1)
+    p.add_argument("architecture", help="a registered architecture (engine-ref list-models), e.g. LlamaForCausalLM")
+    p.add_argument("path", help="the directory to write config.json and the safetensors files into")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="dtype of the weights written (default: float32)")
+    p.add_argument("--num-shards", type=int, default=1,
+                   help="split the weights over this many files with a model.safetensors.index.json (default: 1)")
     commands["make-checkpoint"] = cmd_make_checkpoint
 
     p = sub.add_parser("prepare-model-info", help=cmd_prepare_model_info.__doc__)
     p.add_argument("architectures", nargs="*", help="default: every registered architecture")
-    p.add_argument("--max-workers", type=int, default=None)
+    p.add_argument("--max-workers", type=int, default=None,
+                   help="architectures inspected at once (default: the number of CPUs)")
     commands["prepare-model-info"] = cmd_prepare_model_info
 
     p = sub.add_parser("list-models", help=cmd_list_models.__doc__)

@@ -16,7 +16,7 @@ from torch import nn
 
 from engine_ref.config import EngineConfig
 from engine_ref.distributed.parallel_state import destroy_distributed_environment, init_distributed_environment
-from engine_ref.engine.report import PhaseTimer, WorkerReport
+from engine_ref.engine.report import PhaseTimer, Span, WorkerReport
 from engine_ref.engine.scheduler import SchedulerOutput
 from engine_ref.errors import ConfigError
 from engine_ref.kv_cache.sizing import size_kv_cache
@@ -39,6 +39,7 @@ class Worker:
         self.device = torch.device("cpu")
         self.memory = MemoryUsage(capacity=0)
         self.bytes_read = 0
+        self.file_reads: list[Span] = []  # the startup trace's slices inside load_model
         self.model: nn.Module | None = None
         self.model_runner: ModelRunner | None = None
 
@@ -77,6 +78,8 @@ class Worker:
             loader = get_model_loader(self.config.load_config)
             self.model = loader.load_model(self.config, self.device)
             self.bytes_read = loader.stats.bytes_read
+            self.file_reads = [Span(f"read {name}", int(first), int(last), {"read_s": round(secs, 6), "bytes": nbytes})
+                               for name, (first, last, secs, nbytes) in loader.stats.files.items()]
             self.memory.weights, self.memory.buffers = module_bytes(self.model)
             self.model_runner = ModelRunner(self.model, self.config, self.device)
 
@@ -116,7 +119,8 @@ class Worker:
 
     def report(self) -> WorkerReport:
         return WorkerReport(rank=self.rank, pid=os.getpid(), device=str(self.device),
-                            phases=dict(self.timer.seconds), bytes_read=self.bytes_read, memory=self.memory)
+                            phases=dict(self.timer.seconds), bytes_read=self.bytes_read, memory=self.memory,
+                            spans=[*self.timer.spans, *self.file_reads])
 
     def shutdown(self) -> None:
         self.model = self.model_runner = None

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-CHECKS = ("import", "inspect", "load", "budget", "startup")
+CHECKS = ("plugins", "import", "inspect", "load", "budget", "startup")
 CHECK_MODULES = {
+    "plugins": "pytest_enginecheck.checks.plugins_check",
     "import": "pytest_enginecheck.checks.import_check",
     "inspect": "pytest_enginecheck.checks.inspect_check",
     "load": "pytest_enginecheck.checks.load_check",
@@ -37,6 +38,7 @@ class CheckContext:
     strict: bool = False
     device_memory: str | None = None
     timeout: float = 120.0
+    plugin: str = ""  # the plugins check: the entry point's name (``module`` is its module)
 
 
 def item_name(ctx: CheckContext) -> str:

@@ -21,6 +21,7 @@ from pytest_enginecheck.checks import CHECK_MODULES, CheckContext, CheckFailure,
 def subject(ctx: CheckContext) -> str:
     """What the check was doing, as the start of a sentence."""
     return {
+        "plugins": f"Loading plugin {ctx.plugin!r} ({ctx.module})",
         "import": f"Importing {ctx.module}",
         "inspect": f"Inspecting {ctx.architecture}",
         "load": f"Loading {ctx.architecture} at tensor_parallel_size={ctx.tp}",
