@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -257,3 +258,38 @@ def test_default_run_with_a_raising_plugin_is_not_green(site_dir: Path, pytester
     result, plugins = run_enginecheck(pytester, monkeypatch, site_dir, "a,broken", "--enginecheck-checks=plugins,import")
     assert result.ret == 1 and plugins["plugin:broken"]["outcome"] == "failed"
     result.stdout.fnmatch_lines(["FAILED enginecheck::plugin:broken::plugins - Loading engine_ref plugin 'broke*"])
+
+
+# -- the README's "Check your own model", run as written ---------------------------------------------
+
+
+def readme_files() -> dict[str, str]:
+    """The README section's code blocks, by the file each names on its first line (``# path``)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("\n## Check your own model\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(?:python|toml)\n(.*?)```", section, flags=re.S)
+    return {block.splitlines()[0].removeprefix("# "): block for block in blocks}
+
+
+def test_readme_example_passes_every_check(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    files = readme_files()
+    assert set(files) == {"my_models/tiny.py", "my_models/plugin.py", "pyproject.toml"}
+    site = pytester.mkdir("site")
+    for name, text in files.items():
+        if name.endswith(".py"):
+            (site / name).parent.mkdir(exist_ok=True)
+            (site / name).write_text(text)
+    (site / "my_models" / "__init__.py").write_text("")
+    entry_points = tomllib.loads(files["pyproject.toml"])["project"]["entry-points"]["engine_ref.general_plugins"]
+    info = site / "my_models-0.1.dist-info"  # what `pip install -e .` of that pyproject leaves
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my_models\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[engine_ref.general_plugins]\n" + "".join(f"{k} = {v}\n" for k, v in entry_points.items()))
+    result, plugins = run_enginecheck(pytester, monkeypatch, Path(site), "my_models",
+                                      "--enginecheck-checks=plugins,import,inspect,load,startup", "-k",
+                                      "TinyLlama or my_models", "-v")
+    result.assert_outcomes(passed=6, deselected=len(ARCHITECTURES) * 5)
+    assert plugins["plugin:my_models"]["outcome"] == "passed"
+    result.stdout.fnmatch_lines(["*enginecheck::TinyLlamaForCausalLM::load?tp=2? PASSED*"])
