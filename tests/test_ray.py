@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ import pytest
 
 from engine_ref import LLM
 from engine_ref.errors import WorkerStartupError
+from engine_ref.executor.protocol import RpcTimeoutError
 from engine_ref.executor.ray_distributed import RayDistributedExecutor
 from engine_ref.isolation import RemoteTraceback
 from tests import fault_models
@@ -138,3 +140,24 @@ def test_ray_hung_worker_is_dumped_and_killed_at_the_ready_timeout(tiny_checkpoi
     assert "fault_models.py" in message and "_maybe_fail" in message and "load_model" in message
     assert timeout_s <= seconds < timeout_s * 1.5
     assert not wait_gone(actor_processes(), timeout=10), "the hung engine's actors were not killed"
+
+
+def test_ray_stopped_worker_fails_generate_within_the_rpc_timeout(tiny_checkpoint: Callable[..., Path],
+                                                                 caller_ray: None) -> None:
+    """Rank 1's actor stopped (SIGSTOP): generate raises at rpc_timeout_s with both ranks' stacks, not never."""
+    timeout_s = 3.0
+    with LLM(str(tiny_checkpoint(LLAMA)), **ENGINE) as llm:
+        # From now on: the actors' first profile run (fresh interpreters, lazy imports) can take longer here.
+        llm.engine.executor.config.parallel_config.rpc_timeout_s = timeout_s
+        pids = {w.rank: w.pid for w in llm.startup_report.workers}
+        os.kill(pids[1], signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RpcTimeoutError) as info:
+            llm.generate(PROMPTS, max_tokens=MAX_TOKENS, ignore_eos=True)
+        seconds = time.monotonic() - start
+    assert timeout_s <= seconds < timeout_s + 5, seconds
+    assert (info.value.method, info.value.ranks) == ("execute_model", [0, 1])
+    assert str(info.value).startswith(f"execute_model did not finish on rank 0, 1 within {timeout_s:g} s")
+    assert "in all_reduce" in info.value.stacks[0]
+    assert info.value.stacks[1].startswith("It was stopped (SIGSTOP, or a debugger)")
+    assert not wait_gone(set(pids.values()), timeout=10), "the actors are killed with the engine"
