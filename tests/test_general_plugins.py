@@ -255,7 +255,8 @@ def test_plugin_package_init_querying_cuda_fails_strict(site_dir: Path, pytester
 def test_default_run_with_a_raising_plugin_is_not_green(site_dir: Path, pytester: pytest.Pytester,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The issue's case: the raising plugin's architecture vanished and the run exited 0."""
-    result, plugins = run_enginecheck(pytester, monkeypatch, site_dir, "a,broken", "--enginecheck-checks=plugins,import")
+    result, plugins = run_enginecheck(pytester, monkeypatch, site_dir, "a,broken",
+                                      "--enginecheck-checks=plugins,import")
     assert result.ret == 1 and plugins["plugin:broken"]["outcome"] == "failed"
     result.stdout.fnmatch_lines(["FAILED enginecheck::plugin:broken::plugins - Loading engine_ref plugin 'broke*"])
 

@@ -40,7 +40,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     }
     if ctx.tp > 1:
         reference, _ = greedy(ctx, ckpt, 1)
-        mismatched = [i for i, (a, b) in enumerate(zip(outputs, reference)) if a != b]
+        mismatched = [i for i, (a, b) in enumerate(zip(outputs, reference, strict=True)) if a != b]
         if mismatched:
             i = mismatched[0]
             diagnosis = _diagnosis(ctx, ckpt, reference_prompt(ckpt, i)) or (

@@ -3,6 +3,7 @@ behind. When no TP size splits it, the check is skipped."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import tempfile
@@ -23,10 +24,8 @@ def _watch_only_this_engine(workdir: str) -> None:
     """
     os.environ["TMPDIR"] = tempfile.mkdtemp(dir=workdir, prefix=".startup-tmp-")
     tempfile.tempdir = None
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER (Linux)
-    except (OSError, AttributeError):
-        pass
 
 
 def run(ctx: CheckContext) -> dict[str, Any]:

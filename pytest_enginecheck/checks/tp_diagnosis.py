@@ -71,7 +71,9 @@ def capture(rank: int, world_size: int, spec: str, ckpt: str, prompt: list[int])
                         distributed_executor_backend="uni" if world_size == 1 else "mp",
                         ).create_engine_config(inspect_in_subprocess=False)
     model = get_model_loader(config.load_config).load_model(config, torch.device("cpu"))
-    result, running, calls = Capture(), [], {}
+    result = Capture()
+    running: list[str] = []  # the keys of the modules running now, innermost last
+    calls: dict[str, int] = {}
     for name, module in model.named_modules():
         if not name:
             continue
