@@ -14,8 +14,10 @@ error stays under the sum of eps along the path (RMSNorm renormalises between la
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +28,14 @@ from safetensors.torch import load_file, save_file
 
 from engine_ref.config import HFConfig
 from engine_ref.distributed.parallel_state import tensor_parallel_state
-from engine_ref.errors import QuantizationError, WeightLoadError
+from engine_ref.engine.arg_utils import EngineArgs
+from engine_ref.engine.report import StartupReport
+from engine_ref.entrypoints.cli import main
+from engine_ref.entrypoints.llm import LLM
+from engine_ref.errors import QuantizationError, WeightLoadError, WorkerStartupError
 from engine_ref.memory.accounting import storage_bytes
+from engine_ref.memory.compare import compare_with_report
+from engine_ref.memory.estimate import estimate_memory
 from engine_ref.model_executor.forward_context import AttentionMetadata, set_forward_context
 from engine_ref.model_executor.layers.linear import QKVParallelLinear, UnquantizedLinearMethod
 from engine_ref.model_executor.layers.quantization import (
@@ -41,7 +49,9 @@ from engine_ref.model_executor.layers.quantization.scaled import ScaledQuantizat
 from engine_ref.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from engine_ref.model_executor.model_loader.quantized_checkpoint import make_quantized_checkpoint
 from engine_ref.model_executor.model_loader.weight_utils import CheckpointTensor
+from engine_ref.model_executor.models.interfaces import REFERENCE_CONFIGS_DIR
 from engine_ref.model_executor.models.registry import ModelRegistry
+from pytest_enginecheck.checks.quant_check import matmul_weights, prompt_logits, relative_error
 from pytest_enginecheck.multirank import run_multirank
 
 ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM"]
@@ -413,3 +423,206 @@ def test_quant_method_must_fit_the_layer() -> None:
 
     with pytest.raises(QuantizationError, match=r"confused gave qkv a object, which is not a LinearMethodBase"):
         QKVParallelLinear(64, 16, 4, 2, quant_config=Confused(), prefix="qkv")
+
+
+# -- through the engine: LLM(quantization=...) and pre-quantized checkpoints at TP 1 and 2 ----------
+
+ENGINE = {"device_memory": "512MiB", "max_model_len": 64, "max_num_batched_tokens": 64}
+PROMPTS = [PROMPT, [7, 2, 11]]
+
+
+@dataclass
+class Run:
+    """One engine start: greedy tokens, rank 0's prompt logits, its matmul weights (TP=1), the report."""
+
+    tokens: list[list[int]]
+    logits: list[torch.Tensor]
+    weights: dict[str, torch.Tensor]
+    report: StartupReport
+
+
+def run_llm(model: Path, tp: int = 1, weight_names: list[str] | None = None, **kwargs: Any) -> Run:
+    with LLM(str(model), tensor_parallel_size=tp, **ENGINE, **kwargs) as llm:
+        tokens = llm.generate(PROMPTS, max_tokens=4, ignore_eos=True)
+        logits = llm.engine.executor.collective_rpc(prompt_logits, args=(PROMPTS,))[0]
+        weights = llm.engine.executor.collective_rpc(matmul_weights, args=(weight_names,))[0] if tp == 1 else {}
+        return Run(tokens, logits, weights, llm.startup_report)
+
+
+def assert_estimate_equals_measurement(model: Path, tp: int, report: StartupReport, **kwargs: Any) -> None:
+    estimate = estimate_memory(model, tensor_parallel_size=tp, **ENGINE, **kwargs)
+    comparison = compare_with_report(estimate, report)
+    assert comparison.ok, comparison.describe()
+    assert estimate.weight_bytes_per_rank == [w.memory.weights for w in report.workers]
+    assert estimate.buffer_bytes_per_rank == [w.memory.buffers for w in report.workers]
+
+
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+@pytest.mark.parametrize("architecture", ARCHS)
+def test_engine_runs_quantized_checkpoints_at_tp1_and_tp2(architecture: str, method: str,
+                                                         checkpoints: Callable[..., Path]) -> None:
+    """LLM on the unquantized checkpoint with quantization=METHOD (converted at startup) and on its pre-quantized
+    twin, at TP 1 and 2: the same tokens everywhere; logits equal between the two sources, within float32
+    all-reduce rounding between TP sizes, and within the first-order bound (the sum of the quantized weights'
+    relative errors) of the unquantized engine's; weights 1 byte per 8-bit value plus scales, estimate ==
+    measurement to the byte; each rank reads only its shard."""
+    base, prequantized = checkpoints(architecture), checkpoints(architecture, method)
+    converted = run_llm(base, quantization=method)
+    reference = run_llm(base, weight_names=sorted(converted.weights))
+    runs = {("converted", 1): converted, ("prequantized", 1): run_llm(prequantized),
+            ("converted", 2): run_llm(base, 2, quantization=method), ("prequantized", 2): run_llm(prequantized, 2)}
+    eps = {name: relative_error(w, reference.weights[name]) for name, w in converted.weights.items()}
+    assert len(eps) == 4 * HFConfig.from_file(base / "config.json")["num_hidden_layers"]  # qkv, o, gate_up, down
+    tolerance = sum(eps.values())
+    for (source, tp), run in runs.items():
+        assert run.tokens == converted.tokens, (source, tp)
+        assert run.report.tensor_parallel_size == tp
+        error = relative_error(run.logits, reference.logits)
+        assert 0 < error <= tolerance, (source, tp, error, tolerance)
+        if tp == 1:
+            assert all(torch.equal(a, b) for a, b in zip(run.logits, converted.logits, strict=True)), source
+            assert run.report.workers[0].memory.weights == file_bytes(prequantized)
+        else:
+            for a, b in zip(run.logits, converted.logits, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        reads = [w.bytes_read for w in run.report.workers]
+        if source == "prequantized":  # the bytes it holds: its shards, and what every rank replicates
+            assert reads == [w.memory.weights for w in run.report.workers], (tp, reads)
+        else:  # the unquantized shards it converts
+            assert reads == [file_bytes(base)] if tp == 1 else all(r < file_bytes(base) for r in reads), (tp, reads)
+        assert_estimate_equals_measurement(base if source == "converted" else prequantized, tp, run.report,
+                                           quantization=method if source == "converted" else None)
+
+
+def test_dummy_weights_of_a_prequantized_config_are_quantized_on_the_fly(checkpoints: Callable[..., Path]) -> None:
+    """load_format='dummy' with a pre-quantized config.json: random model-dtype weights converted at startup, so
+    the parameters (and bytes) are those the checkpoint would load, with valid scales."""
+    prequantized = checkpoints("MixtralForCausalLM", "int8")
+    for tp in (1, 2):
+        dummy = run_llm(prequantized, tp, load_format="dummy")
+        assert [w.bytes_read for w in dummy.report.workers] == [0] * tp
+        loaded = run_llm(prequantized, tp)
+        assert [w.memory.weights for w in dummy.report.workers] == [w.memory.weights for w in loaded.report.workers]
+        assert all(torch.isfinite(logits).all() for logits in dummy.logits)
+        assert_estimate_equals_measurement(prequantized, tp, dummy.report)
+
+
+# -- bad input through EngineArgs / LLM: each its own error ----------------------------------------
+
+def _with_config(source: Path, destination: Path, **fields: Any) -> Path:
+    shutil.copytree(source, destination)
+    config = json.loads((destination / "config.json").read_text())
+    config.update(fields)
+    (destination / "config.json").write_text(json.dumps(config))
+    return destination
+
+
+def test_bad_quantization_arguments_are_refused_before_any_worker_starts(
+        checkpoints: Callable[..., Path], tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    llama = checkpoints("LlamaForCausalLM")
+    with pytest.raises(QuantizationError, match=r"quantization='awq' is not a method engine_ref has; use one of "
+                                                r"\['fp8', 'fbgemm_fp8', 'int8'\]"):
+        LLM(str(llama), quantization="awq", **ENGINE)
+    with pytest.raises(QuantizationError, match=r"quantization=8 must be a method name"):
+        LLM(str(llama), quantization=8, **ENGINE)
+    with pytest.raises(QuantizationError, match=r"quantization='fp8' was asked for, but the checkpoint is already "
+                                                r"quantized with 'int8'.*pass quantization='int8' or leave it unset"):
+        LLM(str(checkpoints("LlamaForCausalLM", "int8")), quantization="fp8", **ENGINE)
+    llava = tiny_checkpoint("LlavaForConditionalGeneration")
+    with pytest.raises(QuantizationError, match=r"quantization='int8' was asked for, but LlavaForConditionalGeneration "
+                                                r"does not support quantization \(its class does not declare "
+                                                r"SupportsQuant\)"):
+        LLM(str(llava), quantization="int8", **ENGINE)
+    quantized_llava = _with_config(llava, tmp_path / "llava", quantization_config={"quant_method": "int8"})
+    with pytest.raises(QuantizationError, match=r"config.json says its weights are quantized \(int8\), but "
+                                                r"LlavaForConditionalGeneration does not support quantization"):
+        EngineArgs(str(quantized_llava)).create_engine_config(inspect_in_subprocess=False)
+    nameless = _with_config(llama, tmp_path / "nameless", quantization_config={"bits": 8})
+    with pytest.raises(QuantizationError, match=r"quantization_config \{'bits': 8\} names no quant_method"):
+        LLM(str(nameless), **ENGINE)
+    with pytest.raises(QuantizationError, match=r"LlavaForConditionalGeneration does not support quantization.*"
+                                                r"write it unquantized"):
+        make_quantized_checkpoint("LlavaForConditionalGeneration", tmp_path / "q-llava", "fp8")
+
+
+def test_fp8_on_a_torch_without_float8_is_refused_at_config_time(checkpoints: Callable[..., Path],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    llama = checkpoints("LlamaForCausalLM")
+    monkeypatch.delattr(torch, "float8_e4m3fn")
+    with pytest.raises(QuantizationError, match=r"no torch.float8_e4m3fn.*quantization='int8'"):
+        EngineArgs(str(llama), quantization="fp8").create_engine_config(inspect_in_subprocess=False)
+
+
+def test_a_rank_missing_its_scale_names_the_tensor(checkpoints: Callable[..., Path], tmp_path: Path) -> None:
+    model = _edited_copy(checkpoints("Qwen2ForCausalLM", "int8"), tmp_path / "m", lambda t: t.pop(SCALE))
+    with pytest.raises(WorkerStartupError, match=rf"missing 1 tensor.*'{SCALE}'"):
+        LLM(str(model), tensor_parallel_size=2, **ENGINE)
+
+
+# -- the command line --------------------------------------------------------------------------------
+
+CLI_ENGINE = ["--max-model-len", "64", "--max-num-batched-tokens", "64", "--device-memory", "512MiB"]
+
+
+def test_cli_writes_a_sharded_prequantized_checkpoint_that_starts_and_estimates_to_the_byte(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "llama-int8"
+    assert main(["make-checkpoint", "LlamaForCausalLM", str(model), "--quantization", "int8", "--num-shards", "2"]) == 0
+    assert capsys.readouterr().out == f"wrote LlamaForCausalLM int8 checkpoint to {model}\n"
+    weight_map = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(set(weight_map.values())) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert weight_map[SCALE] == weight_map[SCALE.removesuffix("_scale")]  # a scale sits beside its weight
+    assert json.loads((model / "config.json").read_text())["quantization_config"]["quant_method"] == "int8"
+
+    assert main(["startup", str(model), "-tp", "2", "--json", *CLI_ENGINE]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert main(["estimate", str(model), "-tp", "2", "--json", *CLI_ENGINE]) == 0
+    estimate = json.loads(capsys.readouterr().out)
+    assert estimate["weight_bytes_per_rank"] == [w["memory"]["weights"] for w in report["workers"]]
+    assert [w["bytes_read"] for w in report["workers"]] == estimate["weight_bytes_per_rank"]
+    # --quantization on the unquantized checkpoint: the same bytes, converted at startup.
+    assert main(["make-checkpoint", "LlamaForCausalLM", str(tmp_path / "llama"), "--num-shards", "2"]) == 0
+    capsys.readouterr()
+    assert main(["estimate", str(tmp_path / "llama"), "-tp", "2", "--json", "-q", "int8", *CLI_ENGINE]) == 0
+    assert json.loads(capsys.readouterr().out)["weight_bytes_per_rank"] == estimate["weight_bytes_per_rank"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["startup", "LlamaForCausalLM", "--quantization", "awq"], r"quantization='awq' is not a method engine_ref has"),
+    (["startup", "LlavaForConditionalGeneration", "-q", "int8"],
+     r"LlavaForConditionalGeneration does not support quantization"),
+    (["make-checkpoint", "LlavaForConditionalGeneration", "{tmp}/x", "-q", "fp8"],
+     r"LlavaForConditionalGeneration does not support quantization.*write it unquantized"),
+    (["make-checkpoint", "LlamaForCausalLM", "{tmp}/x", "-q", "gptq"], r"quantization='gptq' is not a method"),
+    (["estimate", "{llava_config}", "--device-memory", "16GiB", "-q", "fp8"],
+     r"LlavaForConditionalGeneration does not support quantization"),
+])
+def test_cli_quantization_errors_exit_2_in_one_line(argv: list[str], message: str, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    llava_config = REFERENCE_CONFIGS_DIR / "llava-1.5-7b-hf.json"
+    argv = [a.format(tmp=tmp_path, llava_config=llava_config) for a in argv]
+    assert main([*argv, *(CLI_ENGINE if argv[0] == "startup" else [])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("engine-ref: error: ") and err.count("\n") == 1, err
+    assert re.search(message, err), err
+
+
+def test_llama_3_8b_fp8_fits_a_16gib_device_at_tp1_and_unquantized_does_not(capsys: pytest.CaptureFixture[str]
+                                                                             ) -> None:
+    """The estimate.py docstring's example: fp8 keeps each linear weight in 1 byte (224 per-tensor scales of 4 B),
+    the embedding and LM head in bfloat16; that leaves room for KV cache in 0.9 x 16 GiB, bfloat16 does not."""
+    path = REFERENCE_CONFIGS_DIR / "Meta-Llama-3-8B.json"
+    c = json.loads(path.read_text())
+    h, i, layers, vocab = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    kv = c["num_key_value_heads"] * h // c["num_attention_heads"]
+    linear = layers * (2 * h * h + 2 * h * kv + 3 * h * i)  # q, o; k, v; gate, up, down
+    bf16 = 2 * (2 * vocab * h + (2 * layers + 1) * h)  # embedding, LM head, norms
+    assert main(["estimate", str(path), "--device-memory", "16GiB", "--quantization", "fp8", "--json"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    assert fp8["weight_bytes_per_rank"] == [linear + bf16 + 7 * layers * 4]
+    assert fp8["fits"] and fp8["max_concurrency"] > 1 and fp8["max_model_len_estimate"] == c["max_position_embeddings"]
+    assert main(["estimate", str(path), "--device-memory", "16GiB", "--json"]) == 1
+    unquantized = json.loads(capsys.readouterr().out)
+    assert unquantized["weight_bytes_per_rank"] == [2 * linear + bf16] and not unquantized["fits"]
+    assert unquantized["reason"].startswith("the weights of rank 0")
+    assert unquantized["weight_bytes_per_rank"][0] > 0.9 * 16 * 2**30 > fp8["weight_bytes_per_rank"][0]

@@ -21,6 +21,7 @@ from engine_ref.model_executor.layers.quantization import get_quantization_confi
 from engine_ref.model_executor.layers.quantization.scaled import ScaledQuantizationConfig
 from engine_ref.model_executor.model_loader.checkpoint import expected_tensors, make_checkpoint
 from engine_ref.model_executor.model_loader.loaders import SAFETENSORS_INDEX
+from engine_ref.model_executor.models.interfaces import ModelInfo
 from engine_ref.model_executor.models.registry import ModelRegistry, _ModelRegistry
 
 SCALE_SUFFIX = "_scale"
@@ -33,6 +34,10 @@ def make_quantized_checkpoint(architecture: str, path: str | Path, quantization:
     method = get_quantization_config(quantization)
     if not issubclass(method, ScaledQuantizationConfig):
         raise QuantizationError(f"no checkpoint writer for quantization={quantization!r}")
+    if not ModelInfo.from_model_cls(architecture, registry.resolve_model_cls(architecture)).supports_quantization:
+        raise QuantizationError(
+            f"{architecture} does not support quantization (its class does not declare SupportsQuant), so no "
+            f"{quantization} checkpoint of it can be loaded; write it unquantized (without --quantization).")
     quant_config = method(is_checkpoint_serialized=True)
     path = make_checkpoint(architecture, path, seed=seed, dtype=dtype, overrides=overrides, num_shards=num_shards,
                            registry=registry)
@@ -58,6 +63,7 @@ def make_quantized_checkpoint(architecture: str, path: str | Path, quantization:
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     index = path / SAFETENSORS_INDEX
     if index.exists():
-        total = sum(t.numel() * t.element_size() for f in path.glob("*.safetensors") for t in load_file(str(f)).values())
+        total = sum(t.numel() * t.element_size()
+                    for f in path.glob("*.safetensors") for t in load_file(str(f)).values())
         index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     return path
