@@ -23,7 +23,8 @@ def _children(pid: int) -> set[int]:
         fields = stat[stat.rindex(")") + 2:].split()
         if fields[0] != "Z":
             parents[int(entry)] = int(fields[1])
-    found, frontier = set(), {pid}
+    found: set[int] = set()
+    frontier = {pid}
     while frontier:
         frontier = {child for child, parent in parents.items() if parent in frontier} - found
         found |= frontier

@@ -110,7 +110,7 @@ def adopt_multiprocessing_tempdir() -> None:
 
 def sweep(root: str) -> list[str]:
     """Remove the directories in ``root`` of owners that are gone; return their paths."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(root)
     except OSError:
