@@ -24,19 +24,27 @@ def load_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[st
     shutil.copytree(ZOO, run_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
     report = run_dir / "report.json"
     out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--enginecheck",
-                          "--enginecheck-target=zoo.tp_registry:REGISTRY", "--enginecheck-checks=load",
+                          "--enginecheck-target=zoo.tp_registry:REGISTRY", "--enginecheck-checks=load,startup",
                           f"--enginecheck-json={report}"],
                          cwd=run_dir, capture_output=True, text=True, timeout=900,
                          env={**os.environ, "PYTHONPATH": str(run_dir)})
     results = json.loads(report.read_text())["results"]
-    return out.stdout, {r["arch"]: r for r in results if r["check"] == "load[tp=2]"}
+    return out.stdout, {r["arch"] if r["check"] == "load[tp=2]" else f"{r['arch']}::{r['check']}": r
+                        for r in results if r["check"] in ("load[tp=2]", "startup")}
 
 
 def test_every_tp1_load_passes_and_every_tp2_fails(load_results: tuple[str, dict[str, dict]]) -> None:
     stdout, tp2 = load_results
-    assert {arch: r["outcome"] for arch, r in tp2.items()} == dict.fromkeys(
-        ["BadShardLlamaForCausalLM", "RowAsColumnLlamaForCausalLM", "NoAllReduceLlamaForCausalLM"], "failed")
-    assert "3 failed, 3 passed" in stdout
+    archs = ["BadShardLlamaForCausalLM", "RowAsColumnLlamaForCausalLM", "NoAllReduceLlamaForCausalLM"]
+    assert {arch: tp2[arch]["outcome"] for arch in archs} == dict.fromkeys(archs, "failed")
+    assert "3 failed" in stdout
+
+
+def test_a_build_failing_only_at_tp2_fails_once(load_results: tuple[str, dict[str, dict]]) -> None:
+    """startup runs at TP=2 and fails for the same reason: it names load[tp=2] instead of repeating it."""
+    startup = load_results[1]["RowAsColumnLlamaForCausalLM::startup"]
+    assert (startup["outcome"], startup["message"]) == (
+        "skipped", "load[tp=2] failed, see enginecheck::RowAsColumnLlamaForCausalLM::load[tp=2]")
 
 
 def test_a_mis_sharded_weight_is_named_with_the_columns_it_holds(load_results: tuple[str, dict[str, dict]]) -> None:
@@ -63,4 +71,4 @@ def test_a_row_parallel_layer_declared_column_parallel_reads_as_that(
         "declared column-parallel (ColumnParallelLinear), but its input arrives sharded (width 32 of 64 on each "
         "rank, the output of a column-parallel layer before it): a layer whose input is sharded is row-parallel. "
         "Make model.layers.0.self_attn.o_proj a RowParallelLinear.")
-    assert "Traceback" not in load_results[0]  # one sentence, not the engine's shape error
+    assert "Traceback" not in load_results[0] and "mat1 and mat2" not in load_results[0]  # not the shape error
