@@ -46,7 +46,7 @@ class KVCacheTooSmallError(EngineRefError):
 
 @dataclass(frozen=True)
 class MemoryShortfall:
-    """One rank's needs: weights, buffers, activation peak, KV of one request of max_model_len."""
+    """One rank's needs: weights, buffers, LoRA slots, activation peak, KV of one request of max_model_len."""
 
     rank: int
     weights: int
@@ -54,10 +54,11 @@ class MemoryShortfall:
     activation_peak: int
     kv_cache: int
     capacity: int
+    lora: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.buffers + self.activation_peak + self.kv_cache
+        return self.weights + self.buffers + self.lora + self.activation_peak + self.kv_cache
 
 
 class WorkerStartupError(EngineRefError):

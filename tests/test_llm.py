@@ -113,8 +113,9 @@ def test_startup_report(llm: LLM, llama: Path) -> None:
     assert memory.kv_cache > 0 and memory.kv_cache % report.num_gpu_blocks == 0
     assert memory.total == memory.weights + memory.buffers + memory.activation_peak + memory.kv_cache <= memory.capacity
     data = json.loads(report.to_json())
-    assert set(data["workers"][0]["memory"]) == {"capacity", "weights", "buffers", "activation_peak", "kv_cache",
-                                                 "total"}
+    assert set(data["workers"][0]["memory"]) == {"capacity", "weights", "buffers", "lora", "activation_peak",
+                                                 "kv_cache", "total"}
+    assert memory.lora == 0  # no enable_lora
     table = report.format_table()
     assert all(phase in table for phase in report.phases)
     assert str(os.getpid()) in table and "64.00 MiB" in table

@@ -2,8 +2,10 @@
 
 PEFT is the reference no one here wrote: the same tiny checkpoint (float32) with the same
 PEFT-format adapter (written by ``make_lora``, read by ``PeftModel.from_pretrained``) gives the
-same logits and greedy tokens. The models are driven directly (built, loaded, then wrapped by the
-LoRAModelManager), as the worker will after ``load_model``.
+same logits and greedy tokens. The first half drives the models directly (built, loaded, then
+wrapped by the LoRAModelManager, as the worker does after ``load_model``); the second starts the
+engine with ``enable_lora=True`` (TP=1 in process, TP=2 on gloo ranks), its memory estimate, the
+scheduler's adapter cap and the CLI.
 """
 
 from __future__ import annotations
@@ -381,3 +383,228 @@ def test_one_id_for_two_adapters(tiny_checkpoint: Callable[..., Path], adapter: 
     our_logits(model, manager, PROMPTS[:1], [request(adapter(LLAMA, seed=1), 7)])
     with pytest.raises(InputError, match=r"lora_int_id=7 .* is already the id of the adapter at"):
         our_logits(model, manager, PROMPTS[:1], [request(adapter(LLAMA, seed=2), 7)])
+
+
+# -- the engine: LLM(..., enable_lora=True) --------------------------------------------------------
+
+ENGINE: dict[str, Any] = {"device_memory": "512MiB", "max_model_len": 64, "max_num_batched_tokens": 64}
+ENGINE_ARCHITECTURES = [LLAMA, "Qwen2ForCausalLM", "Qwen3MoeForCausalLM"]
+
+
+def lora_llm(checkpoint: Path, tp: int = 1, **kwargs: Any) -> Any:
+    from engine_ref.entrypoints.llm import LLM
+
+    return LLM(str(checkpoint), tensor_parallel_size=tp, enable_lora=True, max_lora_rank=8,
+               **{**ENGINE, **kwargs})
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("arch", ENGINE_ARCHITECTURES)
+def test_engine_greedy_tokens_equal_peft(arch: str, tp: int, tiny_checkpoint: Callable[..., Path],
+                                         adapter: Callable[..., Path]) -> None:
+    """One generate call: the first prompt with the adapter, the second without; each as transformers + PEFT."""
+    checkpoint, path = tiny_checkpoint(arch), adapter(arch)
+    reference = peft_model(checkpoint, {"a": path})
+    with lora_llm(checkpoint, tp) as llm:
+        with_lora, without = llm.generate(PROMPTS, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                          lora_request=[request(path), None])
+        base = llm.generate(PROMPTS[:1], max_tokens=MAX_TOKENS, ignore_eos=True)[0]
+        report = llm.startup_report
+    assert with_lora == peft_greedy(reference, PROMPTS[0], "a")
+    with reference.disable_adapter():
+        input_ids = torch.tensor([PROMPTS[1]])
+        expected = reference.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                      max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS)[0, len(PROMPTS[1]):]
+    assert without == expected.tolist()
+    assert with_lora != base, "the adapter should change the tokens"
+    assert [w.memory.lora for w in report.workers] == [meta_slot_bytes(checkpoint, rank, tp) for rank in range(tp)]
+
+
+def test_two_adapters_in_one_engine_each_give_their_own_output(tiny_checkpoint: Callable[..., Path],
+                                                                adapter: Callable[..., Path]) -> None:
+    """Two adapters in one batch (max_loras=2), and the same requests with one slot (max_loras=1): the scheduler
+    runs the second adapter's requests after the first's, and every prompt still gets its own adapter's tokens."""
+    checkpoint = tiny_checkpoint(LLAMA)
+    first, second = adapter(LLAMA, seed=1), adapter(LLAMA, seed=2, target_modules=["q_proj", "v_proj", "down_proj"])
+    reference = peft_model(checkpoint, {"first": first, "second": second})
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+    names = ["first", "second", "second", "first"]
+    requests = [request(first, 1), request(second, 2), request(second, 2), request(first, 1)]
+    expected = [peft_greedy(reference, prompt, name) for prompt, name in zip(prompts, names, strict=True)]
+    assert expected[0] != expected[1], "two adapters should give two outputs"
+    for max_loras in (2, 1):
+        with lora_llm(checkpoint, max_loras=max_loras) as llm:
+            outputs = llm.generate(prompts, max_tokens=MAX_TOKENS, ignore_eos=True, lora_request=requests)
+        assert outputs == expected, f"max_loras={max_loras}"
+
+
+def test_scheduler_runs_at_most_max_loras_adapters(tmp_path: Path) -> None:
+    from engine_ref.engine.scheduler import Request, Scheduler
+    from engine_ref.kv_cache.block_pool import BlockPool
+
+    scheduler = Scheduler(BlockPool(64, 16), max_num_batched_tokens=256, max_num_seqs=8, max_model_len=64, max_loras=2)
+    loras = [None, request(tmp_path, 1), request(tmp_path, 2), request(tmp_path, 1), request(tmp_path, 3), None]
+    for i, lora in enumerate(loras):
+        scheduler.add_request(Request(i, [1, 2, 3], 1, lora_request=lora))
+    steps = []
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        steps.append([s.request_id for s in output.seqs])
+        assert len({s.lora_request.lora_int_id for s in output.seqs if s.lora_request}) <= 2
+        scheduler.update_from_output(output, [7] * len(output.seqs))
+    assert steps == [[0, 1, 2, 3], [4, 5]], "adapter 3 waits until a slot's requests finish; FCFS after it"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_estimate_equals_measurement_with_lora(tp: int, tiny_checkpoint: Callable[..., Path]) -> None:
+    """The lora category is its own, exact on every rank; buffers stay the model's own."""
+    from engine_ref.memory.compare import compare_with_report
+    from engine_ref.memory.estimate import estimate_memory
+
+    checkpoint = tiny_checkpoint(LLAMA)
+    settings = {"device_memory": ENGINE["device_memory"], "max_model_len": ENGINE["max_model_len"],
+                "max_num_batched_tokens": ENGINE["max_num_batched_tokens"], "tensor_parallel_size": tp}
+    estimate = estimate_memory(checkpoint, enable_lora=True, max_lora_rank=8, **settings)
+    with lora_llm(checkpoint, tp, max_loras=1) as llm:
+        report = llm.startup_report
+    comparison = compare_with_report(estimate, report)
+    assert comparison.ok, comparison.describe()
+    assert {d.category for d in comparison.differences} >= {"lora"}
+    slots = [meta_slot_bytes(checkpoint, rank, tp) for rank in range(tp)]
+    assert estimate.lora_bytes_per_rank == [w.memory.lora for w in report.workers] == slots
+    assert all(s > 0 for s in slots)
+    plain = estimate_memory(checkpoint, **settings)
+    assert plain.lora_bytes_per_rank == [0] * tp
+    assert estimate.buffer_bytes_per_rank == plain.buffer_bytes_per_rank == [w.memory.buffers for w in report.workers]
+    assert sum(estimate.kv_cache_bytes_per_rank) < sum(plain.kv_cache_bytes_per_rank), "the slots leave less KV cache"
+    assert "LoRA" in estimate.format_table() and "LoRA" in report.format_table()
+    assert "LoRA" not in plain.format_table()
+
+
+def test_lora_slots_that_do_not_fit(tiny_checkpoint: Callable[..., Path]) -> None:
+    """The estimate names the lora category; the engine refuses to start, saying what to lower."""
+    from engine_ref.entrypoints.llm import LLM
+    from engine_ref.errors import KVCacheTooSmallError
+    from engine_ref.memory.estimate import estimate_memory
+
+    checkpoint = tiny_checkpoint(LLAMA)
+    slots = {"enable_lora": True, "max_loras": 8, "max_lora_rank": 256}
+    estimate = estimate_memory(checkpoint, device_memory="16MiB", max_model_len=64, max_num_batched_tokens=64,
+                               **slots)
+    weights = estimate.weight_bytes_per_rank[0] + estimate.buffer_bytes_per_rank[0]
+    assert weights < estimate.budget_bytes < weights + estimate.lora_bytes_per_rank[0]
+    assert (estimate.fits, estimate.overflow, estimate.max_model_len_estimate) == (False, "lora", 0)
+    assert "max_loras=8 x max_lora_rank=256" in estimate.reason
+    assert "lower max_loras or max_lora_rank" in estimate.reason
+    with pytest.raises(KVCacheTooSmallError, match=r"No memory is left for the KV cache on rank 0: .*the LoRA adapter "
+                                                   r"slots \([\d.]+ MiB\).*lower max_loras or max_lora_rank") as info:
+        LLM(str(checkpoint), device_memory="16MiB", max_model_len=64, max_num_batched_tokens=64, **slots)
+    assert info.value.shortfall.lora == estimate.lora_bytes_per_rank[0]
+    from pytest_enginecheck.budget import describe_shortfall
+
+    assert "LoRA slots" in describe_shortfall(info.value.shortfall, 16 * 2**20)
+
+
+@pytest.mark.parametrize(("arch", "kwargs", "message"), [
+    ("LlavaForConditionalGeneration", {"enable_lora": True},
+     r"enable_lora=True, but LlavaForConditionalGeneration does not support LoRA .*SupportsLoRA.*without enable_lora"),
+    (LLAMA, {"enable_lora": "yes"}, r"enable_lora='yes' must be True or False"),
+    (LLAMA, {"enable_lora": True, "max_loras": 0}, r"max_loras=0 must be an integer of at least 1 .*--max-loras 1"),
+    (LLAMA, {"enable_lora": True, "max_lora_rank": 0}, r"max_lora_rank=0 must be an integer of at least 1"),
+    (LLAMA, {"enable_lora": True, "max_loras": 3, "max_cpu_loras": 2}, r"max_cpu_loras=2 is smaller than max_loras=3"),
+    (LLAMA, {"enable_lora": True, "lora_dtype": "int4"}, r"lora_dtype='int4' is not supported"),
+])
+def test_bad_engine_args(arch: str, kwargs: dict[str, Any], message: str, tiny_checkpoint: Callable[..., Path]) -> None:
+    from engine_ref.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ConfigError, match=message):
+        EngineArgs(model=str(tiny_checkpoint(arch)), **kwargs).create_engine_config()
+
+
+def test_model_info_reports_lora_support() -> None:
+    """The registry's inspection (a subprocess) reads SupportsLoRA off each class."""
+    from engine_ref.model_executor.models.registry import ModelRegistry
+
+    assert {arch: ModelRegistry.inspect_model_cls(arch).supports_lora for arch in
+            [*LORA_ARCHITECTURES, "LlavaForConditionalGeneration"]} == {
+        **dict.fromkeys(LORA_ARCHITECTURES, True), "LlavaForConditionalGeneration": False}
+
+
+def test_bad_lora_requests_in_generate(tiny_checkpoint: Callable[..., Path], adapter: Callable[..., Path],
+                                       broken: Callable[[str], Path]) -> None:
+    """Each refused before any prompt runs; the engine generates normally afterwards."""
+    from engine_ref.entrypoints.llm import LLM
+
+    checkpoint, good = tiny_checkpoint(LLAMA), adapter(LLAMA)
+    with LLM(str(checkpoint), **ENGINE) as plain, \
+            pytest.raises(InputError, match=r"started without LoRA; start it with LLM\(..., enable_lora=True\)"):
+        plain.generate(PROMPTS, max_tokens=2, lora_request=request(good))
+    big = edit_config(broken(LLAMA), r=16)
+    with lora_llm(checkpoint) as llm:
+        with pytest.raises(InputError, match=r"lora_request is a list of 1 for 2 prompts; pass one LoRARequest"):
+            llm.generate(PROMPTS, max_tokens=2, lora_request=[request(good)])
+        with pytest.raises(InputError, match=r"lora_request\[1\] is a str, not a LoRARequest"):
+            llm.generate(PROMPTS, max_tokens=2, lora_request=[None, str(good)])
+        with pytest.raises(ConfigError, match=r"has r=16, above max_lora_rank=8; start the engine with max_lora_rank="):
+            llm.generate(PROMPTS, max_tokens=2, lora_request=[request(good, 1), request(big, 2)])
+        assert not llm.engine.has_unfinished_requests()
+        [tokens] = llm.generate(PROMPTS[:1], max_tokens=MAX_TOKENS, ignore_eos=True, lora_request=request(good))
+        assert tokens == our_greedy(*lora_model(checkpoint), PROMPTS[0], request(good))
+
+
+def test_bad_adapter_at_tp2_names_the_rank(tiny_checkpoint: Callable[..., Path], broken: Callable[[str], Path]) -> None:
+    from engine_ref.errors import EngineRefError
+
+    path = edit_config(broken(LLAMA), target_modules=["q_proj", "lm_head"])
+    with lora_llm(tiny_checkpoint(LLAMA), 2) as llm:
+        with pytest.raises(EngineRefError, match=r"add_lora failed on rank 0: [\w.]*ConfigError: adapter .* targets "
+                                                  r"\['lm_head'\], which this model cannot run LoRA on"):
+            llm.generate(PROMPTS, max_tokens=2, lora_request=request(path))
+        assert len(llm.generate(PROMPTS, max_tokens=2)) == 2, "the engine still serves"
+
+
+# -- the CLI ---------------------------------------------------------------------------------------
+
+def test_cli_make_lora_startup_and_estimate(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            tiny_checkpoint: Callable[..., Path]) -> None:
+    from engine_ref.entrypoints.cli import LORA_BASE_DIR, build_parser, main
+    from engine_ref.entrypoints.llm import LLM
+
+    assert main(["make-lora", LLAMA, str(tmp_path / "a"), "--rank", "4", "--target-modules", "q_proj,down_proj"]) == 0
+    base = tmp_path / "a" / LORA_BASE_DIR
+    assert f"to {base}" in capsys.readouterr().out
+    config = json.loads((tmp_path / "a" / ADAPTER_CONFIG).read_text())
+    assert (config["r"], config["target_modules"], config["base_model_name_or_path"]) == (
+        4, ["down_proj", "q_proj"], str(base))
+    assert main(["make-lora", LLAMA, str(tmp_path / "b")]) == 0  # the same seed: the same files
+    weights = (tmp_path / "b" / LORA_BASE_DIR / "model.safetensors").read_bytes()
+    assert weights == (base / "model.safetensors").read_bytes()
+    with LLM(str(base), enable_lora=True, max_lora_rank=4, **ENGINE) as llm:
+        with_lora = llm.generate(PROMPTS, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                 lora_request=LoRARequest("cli", 1, str(tmp_path / "a")))
+        assert with_lora != llm.generate(PROMPTS, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    llama = tiny_checkpoint(LLAMA)
+    assert main(["make-lora", LLAMA, str(tmp_path / "c"), "--model", str(llama), "--seed", "3"]) == 0
+    assert json.loads((tmp_path / "c" / ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == str(llama)
+    assert not (tmp_path / "c" / LORA_BASE_DIR).exists()
+    capsys.readouterr()
+    assert main(["make-lora", "Qwen2ForCausalLM", str(tmp_path / "d"), "--model", str(llama)]) == 2
+    assert "is a LlamaForCausalLM, not a Qwen2ForCausalLM" in capsys.readouterr().err
+    assert main(["make-lora", LLAMA, str(tmp_path / "e"), "--model", str(llama), "--target-modules", "lm_head"]) == 2
+    assert "target_modules ['lm_head'] are not modules LlamaForCausalLM runs LoRA on" in capsys.readouterr().err
+    assert main(["make-lora", LLAMA, str(tmp_path / "f"), "--model", str(llama), "--rank", "0"]) == 2
+    assert "r=0 must be an integer of at least 1" in capsys.readouterr().err
+
+    small = ["--max-model-len", "64", "--max-num-batched-tokens", "64", "--device-memory", "512MiB"]
+    assert main(["startup", str(llama), *small, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+                 "--json"]) == 0
+    [worker] = json.loads(capsys.readouterr().out)["workers"]
+    assert worker["memory"]["lora"] == 2 * meta_slot_bytes(llama, 0, 1)
+    assert main(["estimate", str(llama), *small, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["lora_bytes_per_rank"] == [worker["memory"]["lora"]]
+    assert main(["startup", str(llama), *small, "--enable-lora", "--max-loras", "0"]) == 2
+    assert "max_loras=0 must be an integer of at least 1" in capsys.readouterr().err
+    helps = {p.dest: p.help for p in build_parser()._subparsers._group_actions[0].choices["startup"]._actions}
+    assert all(helps[name] for name in ("enable_lora", "max_loras", "max_lora_rank"))

@@ -15,6 +15,7 @@ from engine_ref.config import (
     SchedulerConfig,
 )
 from engine_ref.errors import ConfigError, QuantizationError
+from engine_ref.lora.config import LoRAConfig
 
 if TYPE_CHECKING:
     from engine_ref.model_executor.layers.quantization.base_config import QuantizationConfig
@@ -44,6 +45,11 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
     quantization: str | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
 
     def create_engine_config(self, registry: _ModelRegistry | None = None,
                              inspect_in_subprocess: bool = True) -> EngineConfig:
@@ -77,6 +83,7 @@ class EngineArgs:
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
             ),
+            lora_config=self._create_lora_config(),
         )
         arch = config.model_config.architecture
         if inspect_in_subprocess:
@@ -85,9 +92,21 @@ class EngineArgs:
             info = ModelInfo.from_model_cls(arch, registry.resolve_model_cls(arch))
         if config.parallel_config.tensor_parallel_size > 1 and not info.supports_tp:
             raise ConfigError(f"{arch} does not support tensor parallelism; use tensor_parallel_size=1.")
+        if config.lora_config is not None and not info.supports_lora:
+            raise ConfigError(
+                f"enable_lora=True, but {arch} does not support LoRA (its class does not declare SupportsLoRA); "
+                f"start it without enable_lora (--enable-lora), or use an architecture that supports LoRA.")
         config.quant_config = self._create_quant_config(config.model_config, info)
         config.model_info = info
         return config
+
+    def _create_lora_config(self) -> LoRAConfig | None:
+        if not isinstance(self.enable_lora, bool):
+            raise ConfigError(f"enable_lora={self.enable_lora!r} must be True or False.")
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(max_lora_rank=self.max_lora_rank, max_loras=self.max_loras,
+                          lora_dtype=self.lora_dtype, max_cpu_loras=self.max_cpu_loras)
 
     def _create_quant_config(self, model_config: ModelConfig, info: ModelInfo) -> QuantizationConfig | None:
         """The checkpoint's quantization (config.json's quantization_config), else ``quantization=``'s

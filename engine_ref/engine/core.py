@@ -20,6 +20,7 @@ from engine_ref.executor.abstract import Executor
 from engine_ref.kv_cache.block_pool import BlockPool
 from engine_ref.kv_cache.sizing import KVCacheSizing, check_enough_kv_cache_memory, size_kv_cache
 from engine_ref.kv_cache.spec import bytes_per_block
+from engine_ref.lora.request import LoRARequest
 from engine_ref.plugins import load_general_plugins
 
 
@@ -44,6 +45,7 @@ class EngineCore:
                     self.config.scheduler_config.max_num_batched_tokens,
                     self.config.scheduler_config.max_num_seqs,
                     self.config.model_config.max_model_len,
+                    max_loras=self.config.lora_config.max_loras if self.config.lora_config else 0,
                 )
                 workers = self.executor.worker_reports()
         except BaseException:
@@ -77,6 +79,10 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read an adapter on every rank now (vLLM's add_lora), so a bad one fails before its requests run."""
+        self.executor.collective_rpc("add_lora", args=(lora_request,))
 
     def step(self) -> list[Request]:
         """Run one scheduled batch on the workers; return the requests it finished."""

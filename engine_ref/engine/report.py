@@ -100,6 +100,9 @@ class StartupReport:
         return json.dumps(self.to_dict(), indent=2)
 
     def format_table(self) -> str:
+        """The phases, then one row of memory per rank (a LoRA column when the engine has LoRA slots)."""
+        with_lora = any(w.memory.lora for w in self.workers)
+        lora_header = f"{'LoRA':>12}" if with_lora else ""
         lines = [
             f"{self.architecture} from {self.model}",
             f"tensor_parallel_size={self.tensor_parallel_size} executor={self.executor_backend} "
@@ -110,14 +113,17 @@ class StartupReport:
             f"{'total':<12}{self.total_seconds:>10.3f}",
             "",
             f"{'rank':<6}{'pid':>8}  {'device':<8}{'load s':>8}{'read':>12}{'weights':>12}"
-            f"{'buffers':>12}{'activations':>13}{'KV cache':>12}{'total':>12}{'capacity':>12}",
+            f"{'buffers':>12}{lora_header}{'activations':>13}{'KV cache':>12}{'total':>12}"
+            f"{'capacity':>12}",
         ]
         for w in self.workers:
             m = w.memory
+            lora = f"{format_bytes(m.lora):>12}" if with_lora else ""
             lines.append(
                 f"{w.rank:<6}{w.pid:>8}  {w.device:<8}{w.phases.get('load_model', 0.0):>8.3f}"
                 f"{format_bytes(w.bytes_read):>12}{format_bytes(m.weights):>12}"
-                f"{format_bytes(m.buffers):>12}{format_bytes(m.activation_peak):>13}{format_bytes(m.kv_cache):>12}"
+                f"{format_bytes(m.buffers):>12}{lora}"
+                f"{format_bytes(m.activation_peak):>13}{format_bytes(m.kv_cache):>12}"
                 f"{format_bytes(m.total):>12}{format_bytes(m.capacity):>12}"
             )
         return "\n".join(lines)

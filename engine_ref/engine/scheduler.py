@@ -1,7 +1,9 @@
 """A small scheduler: whole-prompt prefills first, then one decode step for every running request.
 
 A request reserves KV blocks for its prompt plus ``max_tokens`` when it is admitted, so a running
-request never needs preempting. SchedulerOutput is plain data: it travels to every worker.
+request never needs preempting. With LoRA, the running requests use at most ``max_loras`` distinct
+adapters (every step runs them all, and a step holds one adapter per slot): a request with another
+adapter waits until one finishes. SchedulerOutput is plain data: it travels to every worker.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_ref.kv_cache.block_pool import BlockPool
+from engine_ref.lora.request import LoRARequest
 
 
 @dataclass
@@ -23,6 +26,7 @@ class Request:
     max_tokens: int
     eos_token_id: int | None = None
     pixel_values: torch.Tensor | None = None
+    lora_request: LoRARequest | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
 
@@ -46,6 +50,7 @@ class ScheduledSequence:
     start_position: int
     block_table: list[int]
     pixel_values: torch.Tensor | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def seq_len(self) -> int:
@@ -62,13 +67,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """First come, first served, within the token, sequence and KV block budgets."""
+    """First come, first served, within the token, sequence, KV block and adapter (``max_loras``) budgets."""
 
     def __init__(self, block_pool: BlockPool, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, max_loras: int = 0) -> None:
         self.block_pool = block_pool
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
-        self.max_model_len = max_model_len
+        self.max_model_len, self.max_loras = max_model_len, max_loras
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -81,25 +86,31 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         prefills: list[Request] = []
         budget = self.max_num_batched_tokens
+        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         while self.waiting and len(self.running) + len(prefills) < self.max_num_seqs:
             request = self.waiting[0]
             prompt_len = len(request.prompt_token_ids)
             reserve = min(prompt_len + request.max_tokens, self.max_model_len)
+            lora_id = None if request.lora_request is None else request.lora_request.lora_int_id
+            if lora_id is not None and lora_id not in loras and len(loras) >= self.max_loras:
+                break
             if prompt_len > budget or not self.block_pool.can_allocate(request.request_id, reserve):
                 break
             self.block_pool.allocate(request.request_id, reserve)
             prefills.append(self.waiting.popleft())
             budget -= prompt_len
+            if lora_id is not None:
+                loras.add(lora_id)
         if prefills:
             self.running.extend(prefills)
             return SchedulerOutput([
                 ScheduledSequence(r.request_id, list(r.prompt_token_ids), 0,
-                                  self.block_pool.block_table(r.request_id), r.pixel_values)
+                                  self.block_pool.block_table(r.request_id), r.pixel_values, r.lora_request)
                 for r in prefills
             ])
         return SchedulerOutput([
             ScheduledSequence(r.request_id, [r.output_token_ids[-1]], r.num_computed_tokens,
-                              self.block_pool.block_table(r.request_id))
+                              self.block_pool.block_table(r.request_id), lora_request=r.lora_request)
             for r in self.running
         ])
 

@@ -10,9 +10,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from engine_ref import envs
-from engine_ref.errors import EngineRefError
+from engine_ref.errors import ConfigError, EngineRefError
 
+ENABLE_LORA_HELP = "enable LoRA adapters: preallocate max_loras adapter slots of max_lora_rank on every rank"
+MAX_LORAS_HELP = "adapters one batch can use, each in its own preallocated slot (default 1)"
+MAX_LORA_RANK_HELP = "the largest adapter rank r a slot holds (default 16)"
 DASH_VALUE_OPTIONS = ("--device-memory",)  # options whose value may start with "-" ("-1GiB"): see main()
+LORA_BASE_DIR = "base_model"  # where make-lora writes the tiny checkpoint, inside the adapter directory
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +38,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="tokens per scheduled batch, which sizes the profile run (default: max(max_model_len, "
                              "2048))")
+    _add_lora_args(parser)
+
+
+def _add_lora_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--enable-lora", action="store_true", help=ENABLE_LORA_HELP)
+    parser.add_argument("--max-loras", type=int, default=1, help=MAX_LORAS_HELP)
+    parser.add_argument("--max-lora-rank", type=int, default=16, help=MAX_LORA_RANK_HELP)
 
 
 def cmd_startup(args: argparse.Namespace) -> int:
@@ -53,7 +64,8 @@ def cmd_startup(args: argparse.Namespace) -> int:
             device_memory=args.device_memory, max_model_len=args.max_model_len, dtype=args.dtype,
             load_format=args.load_format, distributed_executor_backend=args.distributed_executor_backend,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_batched_tokens=args.max_num_batched_tokens, enable_lora=args.enable_lora,
+            max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         )
         with llm:
             report = llm.startup_report
@@ -74,6 +86,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         args.config, device_memory=args.device_memory, tensor_parallel_size=args.tensor_parallel_size,
         dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
     )
     print(estimate.to_json() if args.json else estimate.format_table())
     return 0 if estimate.fits else 1
@@ -88,6 +101,31 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     path = make_checkpoint(args.architecture, args.path, seed=args.seed, dtype=args.dtype,
                            num_shards=args.num_shards)
     print(f"wrote {args.architecture} checkpoint to {path}")
+    return 0
+
+
+def cmd_make_lora(args: argparse.Namespace) -> int:
+    """Write a tiny random PEFT adapter (fixed seed) for a tiny checkpoint of an architecture, or for --model."""
+    from engine_ref.config import HFConfig
+    from engine_ref.lora.checkpoint import make_lora
+    from engine_ref.model_executor.model_loader.checkpoint import make_checkpoint
+
+    if args.model is None:
+        model = make_checkpoint(args.architecture, Path(args.path) / LORA_BASE_DIR, seed=args.seed)
+        print(f"wrote {args.architecture} checkpoint to {model}")
+    else:
+        model = Path(args.model)
+        if not (model / "config.json").is_file():
+            raise ConfigError(f"--model {args.model!r} has no config.json; pass a model directory, e.g. one written "
+                              f"by `engine-ref make-checkpoint {args.architecture} DIR`.")
+        found = (HFConfig.from_file(model / "config.json").get("architectures") or ["(none)"])[0]
+        if found != args.architecture:
+            raise ConfigError(f"--model {args.model!r} is a {found}, not a {args.architecture}; pass its architecture "
+                              f"or another model.")
+    targets = args.target_modules.split(",") if args.target_modules else None
+    path = make_lora(model, args.path, r=args.rank, lora_alpha=args.lora_alpha, target_modules=targets,
+                     seed=args.seed)
+    print(f"wrote a rank-{args.rank} LoRA adapter for {model} to {path}")
     return 0
 
 
@@ -148,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="default: max_position_embeddings")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: max(max_model_len, 2048)")
     p.add_argument("--block-size", type=int, default=16)
+    _add_lora_args(p)
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     commands["estimate"] = cmd_estimate
 
@@ -160,6 +199,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-shards", type=int, default=1,
                    help="split the weights over this many files with a model.safetensors.index.json (default: 1)")
     commands["make-checkpoint"] = cmd_make_checkpoint
+
+    p = sub.add_parser("make-lora", help=cmd_make_lora.__doc__)
+    p.add_argument("architecture")
+    p.add_argument("path", help="the adapter directory (adapter_config.json, adapter_model.safetensors)")
+    p.add_argument("--model", default=None,
+                   help=f"the checkpoint the adapter is for (default: a tiny one, written to PATH/{LORA_BASE_DIR})")
+    p.add_argument("--rank", "-r", type=int, default=4, help="the adapter's rank r")
+    p.add_argument("--lora-alpha", type=float, default=8.0)
+    p.add_argument("--target-modules", default=None,
+                   help="comma-separated modules, e.g. q_proj,v_proj (default: every module LoRA can run on)")
+    p.add_argument("--seed", type=int, default=0)
+    commands["make-lora"] = cmd_make_lora
 
     p = sub.add_parser("prepare-model-info", help=cmd_prepare_model_info.__doc__)
     p.add_argument("architectures", nargs="*", help="default: every registered architecture")

@@ -4,12 +4,13 @@ The one place this arithmetic lives; EngineCore, the Worker, the memory estimate
 budget check all call ``size_kv_cache``, so an estimate and a measurement agree by construction:
 
     budget     = int(capacity * gpu_memory_utilization)                  on each rank
-    available  = budget - weights - buffers - activation_peak            on each rank
+    available  = budget - weights - buffers - lora - activation_peak     on each rank
     num_blocks = max(0, min(available)) // bytes_per_block               the most constrained rank decides
     one request of max_model_len holds cdiv(max_model_len, block_size) blocks
 
 The activation peak is that of the profile run, a batch of max_num_batched_tokens tokens, which by
-default follows max_model_len (``default_max_num_batched_tokens``).
+default follows max_model_len (``default_max_num_batched_tokens``); ``lora`` is the preallocated LoRA
+adapter slots (max_loras x max_lora_rank), 0 without LoRA.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class RankMemory(Protocol):
     capacity: int
     weights: int
     buffers: int
+    lora: int
     activation_peak: int
 
 
@@ -48,7 +50,7 @@ class KVCacheSizing:
     max_model_len: int
     gpu_memory_utilization: float
     budget_bytes: tuple[int, ...]  # per rank: capacity * gpu_memory_utilization
-    available_bytes: tuple[int, ...]  # per rank: the budget less weights, buffers and activation peak
+    available_bytes: tuple[int, ...]  # per rank: the budget less weights, buffers, LoRA slots, activation peak
     num_blocks: int
 
     @property
@@ -81,10 +83,11 @@ class KVCacheSizing:
         return min(self.available_bytes) // self.bytes_per_block * self.block_size - self.max_model_len
 
     def needs(self, rank: int, memory: RankMemory) -> MemoryShortfall:
-        """What ``rank`` needs to serve one request: its weights, buffers, activation peak, one request's KV."""
+        """What ``rank`` needs to serve one request: its weights, buffers, LoRA slots, activation peak, one
+        request's KV."""
         return MemoryShortfall(rank=rank, weights=memory.weights, buffers=memory.buffers,
                                activation_peak=memory.activation_peak, kv_cache=self.request_bytes,
-                               capacity=memory.capacity)
+                               capacity=memory.capacity, lora=memory.lora)
 
 
 def size_kv_cache(memory: Sequence[RankMemory], *, gpu_memory_utilization: float, bytes_per_block: int,
@@ -94,7 +97,8 @@ def size_kv_cache(memory: Sequence[RankMemory], *, gpu_memory_utilization: float
         raise ValueError(f"KV cache sizing needs at least one rank and positive sizes, got {len(memory)} ranks, "
                          f"bytes_per_block={bytes_per_block}, block_size={block_size}")
     budget = tuple(int(m.capacity * gpu_memory_utilization) for m in memory)
-    available = tuple(b - m.weights - m.buffers - m.activation_peak for b, m in zip(budget, memory, strict=True))
+    available = tuple(b - m.weights - m.buffers - m.lora - m.activation_peak
+                      for b, m in zip(budget, memory, strict=True))
     num_blocks = max(0, min(available)) // bytes_per_block if num_blocks_override is None else num_blocks_override
     return KVCacheSizing(block_size, bytes_per_block, max_model_len, gpu_memory_utilization, budget, available,
                          num_blocks)
@@ -106,18 +110,24 @@ def check_enough_kv_cache_memory(sizing: KVCacheSizing, memory: Sequence[RankMem
         return
     rank = sizing.rank
     needs = sizing.needs(rank, memory[rank])
+    lora, lora_after, lower_lora = "", "", ""
+    if needs.lora:
+        lora = f", the LoRA adapter slots ({format_bytes(needs.lora)})"
+        lora_after = f" after the LoRA adapter slots ({format_bytes(needs.lora)})"
+        lower_lora = " lower max_loras or max_lora_rank (the LoRA slots: --max-loras, --max-lora-rank),"
     if sizing.num_blocks == 0 and sizing.available_bytes[rank] <= 0:
         raise KVCacheTooSmallError(
             f"No memory is left for the KV cache on rank {rank}: weights ({format_bytes(needs.weights)}), "
-            f"buffers ({format_bytes(needs.buffers)}) and the profile run's activation peak "
+            f"buffers ({format_bytes(needs.buffers)}){lora} and the profile run's activation peak "
             f"({format_bytes(needs.activation_peak)}) exceed {sizing.gpu_memory_utilization} x "
             f"{format_bytes(needs.capacity)} of device memory. Raise the device memory or "
-            f"gpu_memory_utilization, lower max_num_batched_tokens (the profile run's size), or raise "
+            f"gpu_memory_utilization,{lower_lora} lower max_num_batched_tokens (the profile run's size), or raise "
             f"tensor_parallel_size.", needs)
     largest = sizing.largest_max_model_len
     raise KVCacheTooSmallError(
         f"To serve at least one request with max_model_len {sizing.max_model_len}, "
         f"{format_bytes(sizing.request_bytes)} of KV cache is needed, larger than the available "
         f"{format_bytes(max(0, sizing.available_bytes[rank]))} ({sizing.num_blocks} blocks of {sizing.block_size} "
-        f"tokens); the largest max_model_len that fits is {largest}. Raise gpu_memory_utilization or the device "
-        f"memory, lower max_model_len (to at most {largest}), or raise tensor_parallel_size.", needs)
+        f"tokens){lora_after}; the largest max_model_len that fits is {largest}. Raise gpu_memory_utilization or the "
+        f"device memory,{lower_lora} lower max_model_len (to at most {largest}), or raise tensor_parallel_size.",
+        needs)

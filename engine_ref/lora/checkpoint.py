@@ -27,6 +27,8 @@ def make_lora(base_model: str | Path, path: str | Path, *, r: int = 4, lora_alph
               target_modules: Sequence[str] | None = None, seed: int = 0,
               registry: _ModelRegistry = ModelRegistry) -> Path:
     """Write a random rank-``r`` adapter for the checkpoint ``base_model`` into ``path``; return ``path``."""
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ConfigError(f"r={r!r} must be an integer of at least 1 (the adapter's rank); pass r=4, for example.")
     config = HFConfig.from_file(Path(base_model) / "config.json")
     with tensor_parallel_state(0, 1), torch.device("meta"):
         model = registry.resolve_model_cls(config.architectures[0])(config)

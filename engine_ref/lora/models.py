@@ -100,6 +100,13 @@ class LoRAModelManager:
                        for r, n in zip(lora_requests, num_tokens, strict=True) for _ in range(n)]
         self.mapping.set(torch.tensor(token_slots, dtype=torch.long, device=self.device))
 
+    def set_dummy_adapters(self, num_tokens: Sequence[int]) -> None:
+        """The profile run's batch (vLLM's dummy LoRAs): sequence i runs on slot ``i % max_loras``, whatever
+        the slots hold, so every LoRA product of a full batch is in the activation peak."""
+        max_loras = self.lora_config.max_loras
+        token_slots = [i % max_loras for i, n in enumerate(num_tokens) for _ in range(n)]
+        self.mapping.set(torch.tensor(token_slots, dtype=torch.long, device=self.device))
+
     def _activate(self, lora: LoRAModel, pinned: set[int]) -> int:
         """The slot holding ``lora``, filled now if needed (in a free slot, or the least recently used one)."""
         if lora.id in self._slots:

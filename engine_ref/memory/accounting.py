@@ -18,25 +18,27 @@ T = TypeVar("T")
 @dataclass
 class MemoryUsage:
     """One rank's device memory by category, in bytes: ``weights`` are the parameters, ``buffers``
-    the module buffers (rotary tables and the like) that are not also parameters."""
+    the module buffers (rotary tables and the like) that are not also parameters, ``lora`` the
+    preallocated LoRA adapter slots (0 without LoRA)."""
 
     capacity: int
     weights: int = 0
     buffers: int = 0
+    lora: int = 0
     activation_peak: int = 0
     kv_cache: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.buffers + self.activation_peak + self.kv_cache
+        return self.weights + self.buffers + self.lora + self.activation_peak + self.kv_cache
 
     def to_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
 
     def describe(self) -> str:
         return (f"{format_bytes(self.total)} (weights {format_bytes(self.weights)}, buffers "
-                f"{format_bytes(self.buffers)}, activations {format_bytes(self.activation_peak)}, KV cache "
-                f"{format_bytes(self.kv_cache)})")
+                f"{format_bytes(self.buffers)}, LoRA {format_bytes(self.lora)}, activations "
+                f"{format_bytes(self.activation_peak)}, KV cache {format_bytes(self.kv_cache)})")
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

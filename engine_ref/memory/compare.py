@@ -18,7 +18,7 @@ class MemoryDifference:
     """One category of one rank: the estimate, the measurement, and how far apart they may be."""
 
     rank: int
-    category: str  # "weights" | "buffers" | "activation_peak" | "kv_cache"
+    category: str  # "weights" | "buffers" | "lora" | "activation_peak" | "kv_cache"
     estimated: int
     measured: int
     tolerance: int
@@ -57,11 +57,12 @@ def compare_with_report(estimate: MemoryEstimate, report: StartupReport, *, acti
                         activation_atol: int | None = None) -> EstimateComparison:
     """Compare an estimate with the StartupReport of an engine started with the same arguments.
 
-    Weights and buffers must be equal. The activation peak may differ by ``max(activation_atol, activation_rtol
-    * measured)`` bytes. The default ``activation_atol`` is ``estimate.all_reduce_bytes``: 0 at TP=1,
-    where the estimate is exact on CPU; at TP > 1 a rank can measure up to one all-reduced
-    activation more (gloo may release it late). On CUDA the measurement is torch.cuda's allocator
-    peak, which rounds allocations and holds workspaces the estimate does not see: pass a tolerance.
+    Weights, buffers and LoRA slots must be equal. The activation peak may differ by
+    ``max(activation_atol, activation_rtol * measured)`` bytes. The default ``activation_atol`` is
+    ``estimate.all_reduce_bytes``: 0 at TP=1, where the estimate is exact on CPU; at TP > 1 a rank
+    can measure up to one all-reduced activation more (gloo may release it late). On CUDA the
+    measurement is torch.cuda's allocator peak, which rounds allocations and holds workspaces the
+    estimate does not see: pass a tolerance.
     The KV cache may then differ by the blocks the activation tolerance is worth.
     Raises ConfigError when the two were made with different settings.
     """
@@ -91,6 +92,7 @@ def compare_with_report(estimate: MemoryEstimate, report: StartupReport, *, acti
         differences += [
             MemoryDifference(rank, "weights", estimate.weight_bytes_per_rank[rank], measured.weights, 0),
             MemoryDifference(rank, "buffers", estimate.buffer_bytes_per_rank[rank], measured.buffers, 0),
+            MemoryDifference(rank, "lora", estimate.lora_bytes_per_rank[rank], measured.lora, 0),
             MemoryDifference(rank, "activation_peak", estimate.activation_peak_bytes_per_rank[rank],
                              measured.activation_peak, tolerance),
             MemoryDifference(rank, "kv_cache", estimate.kv_cache_bytes_per_rank[rank], measured.kv_cache,

@@ -58,6 +58,10 @@ def estimate_memory(
     max_model_len: int | None = None,
     max_num_batched_tokens: int | None = None,
     block_size: int = 16,
+    enable_lora: bool = False,
+    max_loras: int = 1,
+    max_lora_rank: int = 16,
+    lora_dtype: str = "auto",
     quantization: str | None = None,
     registry: _ModelRegistry | None = None,
 ) -> MemoryEstimate:
@@ -67,9 +71,11 @@ def estimate_memory(
     ``device_memory``: each rank's device capacity, e.g. "80GiB" or a byte count.
     The other arguments mean what they mean to the engine (``EngineArgs``), with the same
     defaults: max_model_len defaults to max_position_embeddings, max_num_batched_tokens to
-    ``kv_cache.sizing.default_max_num_batched_tokens(max_model_len)``. ``quantization`` (or config.json's
-    ``quantization_config``): the weights the engine keeps after converting them, 1 byte per 8-bit weight
-    plus float32 scales (module docstring). ``registry`` defaults to engine_ref's ModelRegistry.
+    ``kv_cache.sizing.default_max_num_batched_tokens(max_model_len)``; with ``enable_lora`` each rank
+    also holds ``max_loras`` LoRA slots of ``max_lora_rank`` (the ``lora`` category). ``quantization``
+    (or config.json's ``quantization_config``): the weights the engine keeps after converting them, 1 byte
+    per 8-bit weight plus float32 scales (module docstring). ``registry`` defaults to engine_ref's
+    ModelRegistry.
 
     Raises ConfigError (or a subclass: UnknownArchitectureError, MissingConfigField) for bad input.
     """
@@ -87,7 +93,8 @@ def estimate_memory(
                                        tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                                       quantization=quantization)
+                                       enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                                       lora_dtype=lora_dtype, quantization=quantization)
         estimate = FakeEngine(engine_config, label, max_num_batched_tokens).estimate()
     estimate.seconds = time.perf_counter() - start
     return estimate

@@ -5,7 +5,7 @@ Each rank is the engine's own Worker, driven through the calls the executor make
 
     Worker(config, rank)                       as the executor makes it
     worker.load_model()                        load_format 'dummy': initialize_model, on-the-fly quantization
-                                               (process_weights_after_loading), module_bytes
+                                               (process_weights_after_loading), module_bytes, LoRA slots
     worker.determine_available_memory()        the profile run under ActivationTracker
     worker.get_kv_cache_spec()                 per-layer KV pages
 then EngineCore's sizing (``kv_cache.sizing.size_kv_cache``) over every rank's memory: the blocks
@@ -118,6 +118,10 @@ class FakeRank:
         return self.worker.memory.buffers
 
     @property
+    def lora(self) -> int:
+        return self.worker.memory.lora
+
+    @property
     def activation_peak(self) -> int:
         return self.worker.memory.activation_peak
 
@@ -160,6 +164,7 @@ class FakeEngine:
             buffer_bytes=buffer_bytes,
             weight_bytes_per_rank=[rank.weights for rank in ranks],
             buffer_bytes_per_rank=[rank.buffers for rank in ranks],
+            lora_bytes_per_rank=[rank.lora for rank in ranks],
             activation_peak_bytes_per_rank=peaks,
             kv_cache_bytes_per_token_per_rank=[rank.kv_bytes_per_token for rank in ranks],
             block_size=cache.block_size,
@@ -229,23 +234,37 @@ class FakeEngine:
                 f"{format_bytes(heaviest.buffers)}) exceed its budget of {share}; raise tensor_parallel_size, the "
                 f"device memory or gpu_memory_utilization."
             )
+        lora_config = self.config.lora_config
+        heaviest = max(ranks, key=lambda r: r.weights + r.buffers + r.lora)
+        if lora_config is not None and heaviest.weights + heaviest.buffers + heaviest.lora > budget:
+            return "lora", (
+                f"the LoRA adapter slots of rank {heaviest.rank} (max_loras={lora_config.max_loras} x "
+                f"max_lora_rank={lora_config.max_lora_rank}: {format_bytes(heaviest.lora)}) do not fit beside its "
+                f"weights ({format_bytes(heaviest.weights)}, buffers {format_bytes(heaviest.buffers)}) in its budget "
+                f"of {share}; lower max_loras or max_lora_rank, or raise tensor_parallel_size, the device memory or "
+                f"gpu_memory_utilization."
+            )
         rank = ranks[sizing.rank]
+        lora, lower_lora = "", ""
+        if rank.lora:
+            lora, lower_lora = f", LoRA slots ({format_bytes(rank.lora)})", ", max_loras or max_lora_rank"
         if sizing.available_bytes[rank.rank] <= 0:
             return "activation_peak", (
-                f"the weights of rank {rank.rank} ({format_bytes(rank.weights)}, buffers {format_bytes(rank.buffers)}) "
-                f"and the activation peak of its profile run of {self.config.scheduler_config.max_num_batched_tokens} "
-                f"tokens ({format_bytes(rank.activation_peak)}) exceed its budget of {share}, leaving nothing for the "
-                f"KV cache; lower max_num_batched_tokens or max_model_len, or raise tensor_parallel_size, the device "
-                f"memory or gpu_memory_utilization."
+                f"the weights of rank {rank.rank} ({format_bytes(rank.weights)}, buffers {format_bytes(rank.buffers)})"
+                f"{lora} and the activation peak of its profile run of "
+                f"{self.config.scheduler_config.max_num_batched_tokens} tokens ({format_bytes(rank.activation_peak)}) "
+                f"exceed its budget of {share}, leaving nothing for the KV cache; lower max_num_batched_tokens or "
+                f"max_model_len{lower_lora}, or raise tensor_parallel_size, the device memory or "
+                f"gpu_memory_utilization."
             )
         if not sizing.fits:
             return "kv_cache", (
                 f"one request of max_model_len {sizing.max_model_len} needs {format_bytes(sizing.request_bytes)} of "
                 f"KV cache on rank {rank.rank}, but only {format_bytes(sizing.available_bytes[rank.rank])} is left "
-                f"after weights ({format_bytes(rank.weights)}), buffers ({format_bytes(rank.buffers)}) and the "
+                f"after weights ({format_bytes(rank.weights)}), buffers ({format_bytes(rank.buffers)}){lora} and the "
                 f"activation peak ({format_bytes(rank.activation_peak)}): {sizing.num_blocks} blocks of "
-                f"{sizing.block_size} tokens; lower max_model_len, or raise tensor_parallel_size, the device memory "
-                f"or gpu_memory_utilization."
+                f"{sizing.block_size} tokens; lower max_model_len{lower_lora}, or raise tensor_parallel_size, the "
+                f"device memory or gpu_memory_utilization."
             )
         return None, None
 
@@ -273,7 +292,7 @@ class FakeEngine:
         (halving when one side repeats); after a length that fits, ``n(lo) * block_size`` also
         bounds the answer. A few profile runs. Lengths below ``search_floor()`` are not tried.
         """
-        if any(rank.weights + rank.buffers > sizing.budget_bytes[rank.rank] for rank in ranks):
+        if any(rank.weights + rank.buffers + rank.lora > sizing.budget_bytes[rank.rank] for rank in ranks):
             return 0
         lo, hi, floor = 0, self.requested, self.search_floor()
         above = (hi, sizing.slack_tokens)  # the last length tried that does not fit, its slack

@@ -15,14 +15,14 @@ from engine_ref.utils import format_bytes
 #: The keys of ``MemoryEstimate.to_dict()`` (and of ``engine-ref estimate --json``), in order.
 JSON_KEYS = (
     "architecture", "num_parameters", "dtype", "tensor_parallel_size", "weight_bytes", "buffer_bytes",
-    "weight_bytes_per_rank", "buffer_bytes_per_rank", "activation_peak_bytes_per_rank",
+    "weight_bytes_per_rank", "buffer_bytes_per_rank", "lora_bytes_per_rank", "activation_peak_bytes_per_rank",
     "kv_cache_bytes_per_token_per_rank", "block_size", "num_gpu_blocks", "max_concurrency", "fits", "reason",
     "max_model_len_estimate",
 )
 
 #: Device memory by category, in the order a rank claims it; ``MemoryEstimate.overflow`` is one of them
-#: ("weights" when the weights and buffers alone exceed the budget).
-CATEGORIES = ("weights", "activation_peak", "kv_cache")
+#: ("weights" when the weights and buffers alone exceed the budget, "lora" when the LoRA slots do not fit beside them).
+CATEGORIES = ("weights", "lora", "activation_peak", "kv_cache")
 
 
 @dataclass
@@ -31,7 +31,8 @@ class MemoryEstimate:
 
     Figures are bytes, counted as the engine counts them. ``weight_bytes`` is the parameters of the
     whole model as one rank would hold it at TP=1 (a tied tensor once), ``buffer_bytes`` its buffers
-    (rotary tables and the like); ``*_per_rank`` lists have one entry per rank. ``num_gpu_blocks`` is
+    (rotary tables and the like); ``*_per_rank`` lists have one entry per rank. ``lora_bytes_per_rank``
+    is each rank's preallocated LoRA slots (all 0 without ``enable_lora``). ``num_gpu_blocks`` is
     the KV cache the engine would allocate (the most constrained rank decides), ``max_concurrency``
     how many requests of ``max_model_len`` tokens it holds. When ``fits`` is false, ``overflow``
     names the category that does not fit (one of CATEGORIES), ``reason`` says why and what to
@@ -55,6 +56,7 @@ class MemoryEstimate:
     buffer_bytes: int
     weight_bytes_per_rank: list[int]
     buffer_bytes_per_rank: list[int]
+    lora_bytes_per_rank: list[int]
     activation_peak_bytes_per_rank: list[int]
     kv_cache_bytes_per_token_per_rank: list[int]
     block_size: int
@@ -88,6 +90,8 @@ class MemoryEstimate:
     def format_table(self) -> str:
         """A readable summary: the verdict, then one row of bytes per rank."""
         verdict = "fits" if self.fits else f"does NOT fit: {self.reason}"
+        with_lora = any(self.lora_bytes_per_rank)
+        lora_header = f"{'LoRA':>12}" if with_lora else ""
         lines = [
             f"{self.architecture}: {self.num_parameters:,} parameters, {format_bytes(self.weight_bytes)} in "
             f"{self.dtype}, buffers {format_bytes(self.buffer_bytes)}",
@@ -95,16 +99,18 @@ class MemoryEstimate:
             f"gpu_memory_utilization={self.gpu_memory_utilization} max_model_len={self.max_model_len} "
             f"max_num_batched_tokens={self.max_num_batched_tokens}",
             "",
-            f"{'rank':<6}{'weights':>12}{'buffers':>12}{'activations':>13}{'KV/token':>11}{'KV cache':>12}{'total':>12}"
-            f"{'budget':>12}",
+            f"{'rank':<6}{'weights':>12}{'buffers':>12}{lora_header}{'activations':>13}{'KV/token':>11}{'KV cache':>12}"
+            f"{'total':>12}{'budget':>12}",
         ]
         for rank in range(self.tensor_parallel_size):
             weights, buffers = self.weight_bytes_per_rank[rank], self.buffer_bytes_per_rank[rank]
             peak, kv = self.activation_peak_bytes_per_rank[rank], self.kv_cache_bytes_per_rank[rank]
+            lora = self.lora_bytes_per_rank[rank]
+            lora_cell = f"{format_bytes(lora):>12}" if with_lora else ""
             lines.append(
-                f"{rank:<6}{format_bytes(weights):>12}{format_bytes(buffers):>12}{format_bytes(peak):>13}"
+                f"{rank:<6}{format_bytes(weights):>12}{format_bytes(buffers):>12}{lora_cell}{format_bytes(peak):>13}"
                 f"{self.kv_cache_bytes_per_token_per_rank[rank]:>9} B{format_bytes(kv):>12}"
-                f"{format_bytes(weights + buffers + peak + kv):>12}{format_bytes(self.budget_bytes):>12}"
+                f"{format_bytes(weights + buffers + lora + peak + kv):>12}{format_bytes(self.budget_bytes):>12}"
             )
         lines += [
             "",

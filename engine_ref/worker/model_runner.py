@@ -1,4 +1,7 @@
-"""ModelRunner: turns a SchedulerOutput into tensors, runs the model, samples greedily."""
+"""ModelRunner: turns a SchedulerOutput into tensors, runs the model, samples greedily.
+
+With LoRA, each batch first points the LoRA layers at the slots of its sequences' adapters.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from torch import nn
 
 from engine_ref.config import EngineConfig
 from engine_ref.engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine_ref.lora.models import LoRAModelManager
 from engine_ref.memory.accounting import measure_peak
 from engine_ref.model_executor.forward_context import AttentionMetadata, set_forward_context
 
@@ -14,8 +18,10 @@ from engine_ref.model_executor.forward_context import AttentionMetadata, set_for
 class ModelRunner:
     """Runs one rank's model on scheduled batches (and the profile run that sizes the KV cache)."""
 
-    def __init__(self, model: nn.Module, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, config: EngineConfig, device: torch.device,
+                 lora_manager: LoRAModelManager | None = None) -> None:
         self.model, self.config, self.device = model, config, device
+        self.lora_manager = lora_manager
         self.block_size = config.cache_config.block_size
 
     def _slots(self, seq: ScheduledSequence) -> list[int]:
@@ -46,7 +52,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> list[int]:
         """One step: the next token of every scheduled sequence (greedy)."""
-        return self._run(scheduler_output.seqs, with_cache=True)
+        seqs = scheduler_output.seqs
+        if self.lora_manager is not None:
+            self.lora_manager.set_active_adapters([s.lora_request for s in seqs], [len(s.token_ids) for s in seqs])
+        return self._run(seqs, with_cache=True)
 
     def profile_seq_lens(self) -> list[int]:
         """The profile batch: max_num_batched_tokens tokens in sequences of at most max_model_len."""
@@ -69,8 +78,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_run(self) -> int:
-        """Run the largest batch the scheduler may send, without a KV cache; return its peak bytes."""
+        """Run the largest batch the scheduler may send, without a KV cache; return its peak bytes.
+
+        With LoRA, every sequence runs with an adapter, over all ``max_loras`` slots (vLLM's dummy LoRAs)."""
         seqs = self.profile_seqs()
+        if self.lora_manager is not None:
+            self.lora_manager.set_dummy_adapters([len(s.token_ids) for s in seqs])
         existing = [*self.model.parameters(), *self.model.buffers()]
         _, peak = measure_peak(lambda: self._run(seqs, with_cache=False), self.device, existing)
         return peak

@@ -21,6 +21,8 @@ from engine_ref.engine.scheduler import SchedulerOutput
 from engine_ref.errors import ConfigError
 from engine_ref.kv_cache.sizing import size_kv_cache
 from engine_ref.kv_cache.spec import FullAttentionSpec, bytes_per_block
+from engine_ref.lora.models import LoRAModelManager
+from engine_ref.lora.request import LoRARequest
 from engine_ref.memory.accounting import MemoryUsage, module_bytes, storage_bytes
 from engine_ref.model_executor.layers.attention import Attention
 from engine_ref.model_executor.model_loader.loaders import get_model_loader
@@ -41,6 +43,7 @@ class Worker:
         self.bytes_read = 0
         self.file_reads: list[Span] = []  # the startup trace's slices inside load_model
         self.model: nn.Module | None = None
+        self.lora_manager: LoRAModelManager | None = None
         self.model_runner: ModelRunner | None = None
 
     @property
@@ -73,7 +76,8 @@ class Worker:
             torch.manual_seed(self.config.model_config.seed)
 
     def load_model(self) -> None:
-        """Build this rank's shard of the model and load its weights."""
+        """Build this rank's shard of the model and load its weights; with LoRA, wrap its target layers and
+        preallocate the adapter slots (counted as ``lora``, apart from the model's buffers)."""
         with self.timer.phase("load_model"):
             loader = get_model_loader(self.config.load_config)
             self.model = loader.load_model(self.config, self.device)
@@ -81,7 +85,20 @@ class Worker:
             self.file_reads = [Span(f"read {name}", int(first), int(last), {"read_s": round(secs, 6), "bytes": nbytes})
                                for name, (first, last, secs, nbytes) in loader.stats.files.items()]
             self.memory.weights, self.memory.buffers = module_bytes(self.model)
-            self.model_runner = ModelRunner(self.model, self.config, self.device)
+            if self.config.lora_config is not None:
+                model_config = self.config.model_config
+                self.lora_manager = LoRAModelManager(self.model, self.config.lora_config, model_config.model,
+                                                     model_config.torch_dtype)
+                self.memory.lora = self.lora_manager.lora_slot_bytes
+            self.model_runner = ModelRunner(self.model, self.config, self.device, self.lora_manager)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read an adapter into this rank's CPU cache now (vLLM's add_lora): its errors come before any request
+        runs with it."""
+        if self.lora_manager is None:
+            raise ValueError("add_lora on a worker started without enable_lora")
+        self.lora_manager.add_adapter(lora_request)
+        return True
 
     def determine_available_memory(self) -> int:
         """Run the profile; return the bytes this rank has left for the KV cache (kv_cache/sizing.py)."""
@@ -123,5 +140,5 @@ class Worker:
                             spans=[*self.timer.spans, *self.file_reads])
 
     def shutdown(self) -> None:
-        self.model = self.model_runner = None
+        self.model = self.model_runner = self.lora_manager = None
         destroy_distributed_environment()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-CHECKS = ("plugins", "import", "inspect", "load", "budget", "startup")
+CHECKS = ("plugins", "import", "inspect", "load", "budget", "startup", "lora")
 CHECK_MODULES = {
     "plugins": "pytest_enginecheck.checks.plugins_check",
     "import": "pytest_enginecheck.checks.import_check",
@@ -19,8 +19,9 @@ CHECK_MODULES = {
     "load": "pytest_enginecheck.checks.load_check",
     "budget": "pytest_enginecheck.checks.budget_check",
     "startup": "pytest_enginecheck.checks.startup_check",
+    "lora": "pytest_enginecheck.checks.lora_check",
 }
-TP_CHECKS = ("load", "budget")  # one item per TP size
+TP_CHECKS = ("load", "budget", "lora")  # one item per TP size
 
 
 @dataclass(frozen=True)

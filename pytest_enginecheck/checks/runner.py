@@ -27,6 +27,7 @@ def subject(ctx: CheckContext) -> str:
         "load": f"Loading {ctx.architecture} at tensor_parallel_size={ctx.tp}",
         "budget": f"Measuring the memory of {ctx.architecture} at tensor_parallel_size={ctx.tp}",
         "startup": f"Starting and stopping {ctx.architecture}",
+        "lora": f"Running {ctx.architecture} with a LoRA adapter at tensor_parallel_size={ctx.tp}",
     }[ctx.check]
 
 

@@ -28,7 +28,17 @@ class SupportsMultiModal:
 
 
 class SupportsLoRA:
-    """The model's linear layers accept LoRA adapters."""
+    """The model runs LoRA adapters (``enable_lora``): after loading, the LoRAModelManager wraps its
+    column- and row-parallel linear layers (``engine_ref.lora.utils.lora_targets``) in ``...WithLoRA``
+    layers, under the module names PEFT gives the checkpoint's modules.
+
+    Declared by Llama and the architectures built on it: Qwen2, and the mixtures of experts Mixtral
+    and Qwen3-MoE, whose attention (and Qwen3-MoE's dense MLP layers) take adapters; their experts and
+    routers are not wrapped (FusedMoE holds all experts in one tensor, not per-expert linear layers),
+    so an adapter that targets them is refused by name. Llava does not declare it: the vision tower
+    and the projector run on image patches, not on the tokens a LoRA batch maps to adapter slots,
+    and PEFT names its language model's modules under another prefix.
+    """
 
     supports_lora: ClassVar[bool] = True
 

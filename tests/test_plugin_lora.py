@@ -1,0 +1,88 @@
+"""``pytest --enginecheck`` with the lora check: ``lora[tp=1]`` / ``lora[tp=2]`` pass for the bundled architectures
+that declare SupportsLoRA, skip (saying why) for Llava, and fail for a model whose layer tells LoRA the wrong
+input columns at TP=2 while its own weights load right."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ARCHITECTURES as BUNDLED
+
+ZOO = Path(__file__).parent / "plugin_zoo"
+LORA_ARCHITECTURES = ["LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3MoeForCausalLM"]
+LORA_CHECKS = ["lora[tp=1]", "lora[tp=2]"]
+
+
+def run_enginecheck(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, dict[tuple[str, str], Any]]:
+    """One ``pytest --enginecheck`` subprocess run; its JSON report's results by (arch, check)."""
+    path = pytester.path / "report.json"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--enginecheck", f"--enginecheck-json={path}",
+                                           *args, timeout=600)
+    assert path.exists(), result.stdout.str() + result.stderr.str()
+    return result, {(r["arch"], r["check"]): r for r in json.loads(path.read_text())["results"]}
+
+
+def glob(text: str) -> str:
+    """``text`` as an fnmatch pattern whose ``[`` are literal."""
+    return text.replace("[", "[[]")
+
+
+def test_lora_check_on_the_bundled_zoo(pytester: pytest.Pytester) -> None:
+    result, results = run_enginecheck(pytester, "--enginecheck-checks=lora", "-v")
+    assert result.ret == 0, result.stdout.str()
+    result.assert_outcomes(passed=len(LORA_ARCHITECTURES) * 2, skipped=2)
+    assert sorted(results) == sorted((arch, check) for arch in BUNDLED for check in LORA_CHECKS)
+    for arch in LORA_ARCHITECTURES:
+        for tp in (1, 2):
+            r = results[(arch, f"lora[tp={tp}]")]
+            assert r["outcome"] == "passed", r["message"]
+            detail = r["detail"]
+            assert detail["tensor_parallel_size"] == tp and len(detail["lora_bytes_per_rank"]) == tp
+            assert all(b > 0 for b in detail["lora_bytes_per_rank"])
+            assert detail["outputs"] != detail["base_outputs"]
+            if tp == 2:
+                assert detail["outputs"] == detail["reference"]
+    for check in LORA_CHECKS:
+        llava = results[("LlavaForConditionalGeneration", check)]
+        assert llava["outcome"] == "skipped"
+        assert llava["message"] == ("LlavaForConditionalGeneration does not declare SupportsLoRA, so the engine "
+                                    "refuses enable_lora for it")
+    result.stdout.fnmatch_lines([glob(line) for line in (
+        "*= enginecheck summary =*",
+        "architecture * lora[tp=1]  lora[tp=2]",
+        "-----*",
+        "LlamaForCausalLM * ok * ok*",
+        "LlavaForConditionalGeneration * skip * skip*",
+        "MixtralForCausalLM * ok * ok*",
+        "Qwen2ForCausalLM * ok * ok*",
+        "Qwen3MoeForCausalLM * ok * ok*",
+        "5 architectures: 8 passed, 0 failed, 2 skipped",
+    )])
+
+
+def test_lora_check_catches_a_layer_that_misleads_lora(pytester: pytest.Pytester) -> None:
+    """load passes at TP=2 (the base weights shard right); lora[tp=2] fails: A is sliced by input_start."""
+    shutil.copytree(ZOO, pytester.path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    pytester.makeini("[pytest]\npythonpath = .\n")
+    result, results = run_enginecheck(pytester, "--enginecheck-target=zoo.lora_models:REGISTRY",
+                                      "--enginecheck-checks=load,lora")
+    arch = "LoRAShardLlamaForCausalLM"
+    assert {check: r["outcome"] for (_, check), r in results.items()} == {
+        "load[tp=1]": "passed", "load[tp=2]": "passed", "lora[tp=1]": "passed", "lora[tp=2]": "failed"}
+    failed = results[(arch, "lora[tp=2]")]
+    assert failed["message"].startswith(f"At tensor_parallel_size=2, {arch} with a LoRA adapter generates different "
+                                        f"tokens than at tensor_parallel_size=1 (prompt "), failed["message"]
+    assert "Check the output_shard / input_start of the layers this model changed" in failed["message"]
+    assert failed["detail"]["kind"] == "tp_mismatch" and failed["detail"]["outputs"] != failed["detail"]["reference"]
+    result.stdout.fnmatch_lines([glob(line) for line in (
+        "*= enginecheck summary =*",
+        "architecture * load[tp=1]  load[tp=2]  lora[tp=1]  lora[tp=2]",
+        "-----*",
+        f"{arch} * ok * ok * ok * FAIL*",
+        "1 architectures: 3 passed, 1 failed, 0 skipped",
+    )])
