@@ -64,11 +64,17 @@ def multirank(request: pytest.FixtureRequest) -> Callable[..., list[Any]]:
     the default world size."""
     from pytest_enginecheck.multirank import run_multirank
 
-    default_world_size = _marker_arg(request, "world_size", "n") or 2
+    default_world_size = _marker_arg(request, "world_size", "n")
+    if default_world_size is None:
+        default_world_size = 2
+    elif isinstance(default_world_size, bool) or not isinstance(default_world_size, int) or default_world_size < 1:
+        pytest.fail(f"@pytest.mark.world_size({default_world_size!r}) on {request.node.name}: give a positive number "
+                    f"of ranks, e.g. @pytest.mark.world_size(2)", pytrace=False)
 
     def run(fn: Callable[..., Any], *args: Any, world_size: int | None = None,
             timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
-        return run_multirank(fn, world_size or default_world_size, *args, timeout=timeout, **kwargs)
+        size = default_world_size if world_size is None else world_size
+        return run_multirank(fn, size, *args, timeout=timeout, **kwargs)
 
     return run
 
@@ -86,7 +92,6 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     from engine_ref.errors import KVCacheTooSmallError
     from engine_ref.isolation import ensure_warm_parent
     from engine_ref.utils import parse_size
-
     from pytest_enginecheck.budget import budget_violations, describe_shortfall
     from pytest_enginecheck.leaks import ResourceSnapshot, wait_for_no_leaks
 

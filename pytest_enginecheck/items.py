@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import json
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -12,7 +13,7 @@ from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckResult, i
 if TYPE_CHECKING:
     from _pytest._code.code import TerminalRepr
 
-RESULT_PROPERTY = "enginecheck"
+RESULT_PROPERTY = "enginecheck"  # the user property (and JUnit XML property) holding the result, as JSON
 
 
 class EngineCheckCollector(pytest.Collector):
@@ -46,13 +47,21 @@ class CheckItem(pytest.Item):
         super().__init__(**kwargs)
         self.ctx = ctx
         self.result: CheckResult | None = None
+        self.roots: Mapping[str, tuple[str, CheckContext]] = {}
+        self.outcomes: MutableMapping[str, str] = {}
         self.add_marker("enginecheck")
 
-    def runtest(self) -> None:
-        from pytest_enginecheck.checks.runner import run_check
+    def depend_on(self, roots: Mapping[str, tuple[str, CheckContext]], outcomes: MutableMapping[str, str]) -> None:
+        """Set the selected items whose failure this item's failure would repeat, and the outcomes of its
+        architecture's items known in this process (see ``runner.run_item``)."""
+        self.roots = roots
+        self.outcomes = outcomes
 
-        self.result = run_check(self.ctx)
-        self.user_properties.append((RESULT_PROPERTY, self.result.to_dict()))
+    def runtest(self) -> None:
+        from pytest_enginecheck.checks.runner import run_item
+
+        self.result = run_item(self.ctx, self.roots, self.outcomes)
+        self.user_properties.append((RESULT_PROPERTY, json.dumps(self.result.to_dict())))
         if self.result.outcome == "failed":
             raise CheckFailure(self.result.message, self.result.detail)
         if self.result.outcome == "skipped":

@@ -2,26 +2,42 @@
 
 from __future__ import annotations
 
+import math
 import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-from pytest_enginecheck.checks import CHECKS
+from pytest_enginecheck.checks import CHECKS, TP_CHECKS
+
+SUMMARIES = ("all", "failures", "none")
+BUDGET_MEMORY = "512MiB"
+BUDGET_UTILIZATION = 0.9
+BUDGET_MAX_MODEL_LEN = 128
 
 HELP = {
     "enginecheck": "check every registered architecture of the target engine (import, inspect, load, budget, startup)",
     "target": "engine to check: 'engine_ref' (bundled zoo), 'vllm', or 'module:attribute' naming a mapping "
               "of architecture -> 'module:Class' or an engine_ref ModelRegistry",
     "checks": f"comma-separated checks to run (default: all that apply to the target): {','.join(CHECKS)}",
-    "tp": "comma-separated tensor parallel sizes for the load and budget checks; startup uses the largest that "
-          "splits the model (default: 1,2)",
-    "timeout": "seconds each check may take before its process tree is killed (default: 120)",
-    "json": "write the results as JSON to this path",
+    "tp": f"comma-separated tensor parallel sizes: one item per size for each of the {', '.join(TP_CHECKS)} checks; "
+          "startup uses the largest that splits the model (default: 1,2)",
+    "timeout": "seconds each check may take before its process tree is killed, a finite positive number "
+               "(default: 120)",
+    "json": "write the results (outcome, message, detail, duration and phase timings per check) as JSON to this "
+            "path; it must be writable",
+    "summary": "the architecture x check table at the end: all rows, only the rows with a failure, or none "
+               "(default: all, or failures when there are 400 architectures or more)",
+    "budget_memory": f"the simulated device size each rank of the budget check's tiny engine gets "
+                     f"(default: {BUDGET_MEMORY})",
+    "budget_utilization": f"the gpu_memory_utilization of the budget check's tiny engine, in (0, 1] "
+                          f"(default: {BUDGET_UTILIZATION})",
+    "budget_max_model_len": f"the max_model_len of the budget check's tiny engine, the length one request must fit "
+                            f"(default: {BUDGET_MAX_MODEL_LEN})",
     "strict": "also fail an import that calls torch.cuda.is_available()/device_count() (cuInit on GPU hosts)",
     "device_memory": "predict the fit of each architecture's full-size config on a device of this size, e.g. 80GiB",
-    "trace": "write a Chrome trace-event JSON of every engine start the checks make into this directory (one "
-             "track per rank; open it in https://ui.perfetto.dev or chrome://tracing)",
 }
 
 
@@ -43,7 +59,10 @@ def add_options(parser: pytest.Parser) -> None:
     _add(group, parser, "json", metavar="PATH")
     _add(group, parser, "strict", ini_type="bool", action="store_true", default=None)
     _add(group, parser, "device_memory", metavar="SIZE")
-    _add(group, parser, "trace", metavar="DIR")
+    _add(group, parser, "summary", choices=SUMMARIES)
+    _add(group, parser, "budget_memory", metavar="SIZE")
+    _add(group, parser, "budget_utilization", metavar="FRACTION")
+    _add(group, parser, "budget_max_model_len", metavar="TOKENS")
 
 
 @dataclass(frozen=True)
@@ -58,12 +77,71 @@ class Settings:
     json_path: str | None
     strict: bool
     device_memory: str | None
-    trace_dir: str | None = None  # ENGINE_REF_TRACE_DIR of the check children's engines
+    summary: str | None  # None: all, or failures at 400 architectures or more
+    budget_memory: str = BUDGET_MEMORY
+    budget_utilization: float = BUDGET_UTILIZATION
+    budget_max_model_len: int = BUDGET_MAX_MODEL_LEN
 
 
 def _get(config: pytest.Config, dest: str) -> object:
     value = config.getoption(dest)
     return value if value is not None else config.getini(dest)
+
+
+def _name(config: pytest.Config, dest: str) -> str:
+    """The option as the user gave it: the flag, or the ini option."""
+    return f"--{dest.replace('_', '-')}" if config.getoption(dest) is not None else f"ini option {dest}"
+
+
+def _usage_error(config: pytest.Config, dest: str, fix: str) -> pytest.UsageError:
+    return pytest.UsageError(f"{_name(config, dest)}={_get(config, dest)!r}: {fix}")
+
+
+def _number(config: pytest.Config, dest: str, default: float, kind: type, fix: str, top: float = math.inf) -> float:
+    """A finite number in (0, top] from the flag or the ini option, else ``default``."""
+    raw = _get(config, dest)
+    try:
+        value = kind(raw) if raw not in (None, "") else default
+    except (TypeError, ValueError):
+        raise _usage_error(config, dest, fix) from None
+    if not (math.isfinite(value) and 0 < value <= top):
+        raise _usage_error(config, dest, fix)
+    return value
+
+
+def _size(config: pytest.Config, dest: str) -> str | None:
+    """A size such as 8GiB from the flag or the ini option (parsed, so a bad one fails now)."""
+    value = _get(config, dest)
+    if not value:
+        return None
+    from engine_ref.errors import ConfigError
+    from engine_ref.utils import parse_size
+
+    try:
+        parse_size(str(value), _name(config, dest))
+    except ConfigError as e:
+        raise pytest.UsageError(str(e)) from None
+    return str(value)
+
+
+def _writable_file(config: pytest.Config, dest: str) -> str | None:
+    """A path the JSON report can be written to: not a directory, in a directory this process can write."""
+    value = _get(config, dest)
+    if not value:
+        return None
+    path = Path(str(value))
+    if path.is_dir():
+        raise _usage_error(config, dest, "it is a directory; give a file path, e.g. enginecheck.json")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+        if path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError(f"{path} is not writable")
+    except OSError as e:
+        raise _usage_error(config, dest, f"cannot write there ({e.strerror or e}); give a writable file path"
+                           ) from None
+    return str(value)
 
 
 def _csv(value: object) -> list[str]:
@@ -77,41 +155,30 @@ def resolve_settings(config: pytest.Config) -> Settings:
         checks = tuple(_csv(_get(config, "enginecheck_checks")))
         unknown = [c for c in checks if c not in CHECKS]
         if unknown:
-            raise pytest.UsageError(
-                f"--enginecheck-checks: unknown check(s) {', '.join(unknown)}; choose from {','.join(CHECKS)}")
+            raise pytest.UsageError(f"{_name(config, 'enginecheck_checks')}: unknown check(s) {', '.join(unknown)}; "
+                                    f"choose from {','.join(CHECKS)}")
     try:
         tp_sizes = tuple(int(s) for s in _csv(_get(config, "enginecheck_tp") or "1,2"))
         if not tp_sizes or min(tp_sizes) < 1:
             raise ValueError
     except ValueError:
-        raise pytest.UsageError(
-            f"--enginecheck-tp={_get(config, 'enginecheck_tp')!r}: give positive integers, e.g. 1,2") from None
-    try:
-        timeout = float(_get(config, "enginecheck_timeout") or 120)
-        if timeout <= 0:
-            raise ValueError
-    except ValueError:
-        raise pytest.UsageError(
-            f"--enginecheck-timeout={_get(config, 'enginecheck_timeout')!r}: give a positive number of seconds"
-        ) from None
-    device_memory = _get(config, "enginecheck_device_memory") or None
-    if device_memory:
-        from engine_ref.errors import ConfigError
-        from engine_ref.utils import parse_size
-
-        try:
-            parse_size(str(device_memory), "--enginecheck-device-memory")
-        except ConfigError as e:
-            raise pytest.UsageError(str(e)) from None
+        raise _usage_error(config, "enginecheck_tp", "give positive integers, e.g. 1,2") from None
+    summary = str(_get(config, "enginecheck_summary") or "") or None
+    if summary is not None and summary not in SUMMARIES:
+        raise _usage_error(config, "enginecheck_summary", f"choose from {', '.join(SUMMARIES)}")
     return Settings(
         enabled=bool(_get(config, "enginecheck")),
         target=str(_get(config, "enginecheck_target") or "engine_ref"),
         checks=checks,
         tp_sizes=tp_sizes,
-        timeout=timeout,
-        json_path=_get(config, "enginecheck_json") or None,
+        timeout=_number(config, "enginecheck_timeout", 120.0, float, "give a finite positive number of seconds"),
+        json_path=_writable_file(config, "enginecheck_json"),
         strict=bool(_get(config, "enginecheck_strict")),
-        device_memory=str(device_memory) if device_memory else None,
-        trace_dir=(os.path.abspath(str(_get(config, "enginecheck_trace")))
-                   if _get(config, "enginecheck_trace") else None),
+        device_memory=_size(config, "enginecheck_device_memory"),
+        summary=summary,
+        budget_memory=_size(config, "enginecheck_budget_memory") or BUDGET_MEMORY,
+        budget_utilization=_number(config, "enginecheck_budget_utilization", BUDGET_UTILIZATION, float,
+                                   "give a fraction in (0, 1], e.g. 0.9", top=1.0),
+        budget_max_model_len=int(_number(config, "enginecheck_budget_max_model_len", BUDGET_MAX_MODEL_LEN, int,
+                                         "give a positive number of tokens, e.g. 128")),
     )

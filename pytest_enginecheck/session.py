@@ -1,29 +1,50 @@
 """EngineCheckSession: the plugin object ``--enginecheck`` registers (pytest-memray style).
 
-It describes the target (in a child process), generates the items at collection, gathers each
+It describes the target (in a child process, once: pytest-xdist workers get the controller's
+description), prints its settings in the header, generates the items at collection, gathers each
 item's result from its report (so it works under pytest-xdist, where items run in workers), and
 closes the run with the summary table and the JSON report.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import shutil
 import tempfile
+from importlib.metadata import entry_points
 from typing import Any
 
 import pytest
 
-from pytest_enginecheck.checks import CHECKS, TP_CHECKS, CheckContext
-from pytest_enginecheck.items import RESULT_PROPERTY, EngineCheckCollector
+from pytest_enginecheck.checks import CHECKS, TP_CHECKS, CheckContext, roots
+from pytest_enginecheck.items import RESULT_PROPERTY, CheckItem, EngineCheckCollector
 from pytest_enginecheck.options import Settings
-from pytest_enginecheck.report import summary_table, write_json
+from pytest_enginecheck.report import summary_mode, summary_table, write_json
 from pytest_enginecheck.targets import ArchEntry, TargetDescription
 
 DESCRIBE_TIMEOUT_S = 300.0
 # What every check child imports: preloaded once in the warm parent instead of once per check.
 CHILD_MODULES = ("pytest_enginecheck.checks.runner", "pytest_enginecheck.checks.import_check",
                  "pytest_enginecheck.checks.inspect_check", "pytest_enginecheck.targets", "pytest_enginecheck.leaks")
+# The general plugins a target loads: (entry point group, the environment variable that restricts them by name).
+PLUGIN_GROUPS = {"engine_ref": ("engine_ref.general_plugins", "ENGINE_REF_PLUGINS"),
+                 "vllm": ("vllm.general_plugins", "VLLM_PLUGINS")}
+DESCRIPTION_KEY = "enginecheck_description"  # in an xdist worker's workerinput: the controller's, pickled
+PYTEST_OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
+
+
+def plugin_count(spec: str) -> int:
+    """How many general plugins the target loads (entry points allowed by its environment variable)."""
+    if spec not in PLUGIN_GROUPS:
+        return 0
+    group, variable = PLUGIN_GROUPS[spec]
+    names = [ep.name for ep in entry_points(group=group)]
+    allowed = os.environ.get(variable)
+    if allowed is None:
+        return len(names)
+    return sum(name in {a.strip() for a in allowed.split(",")} for name in names)
 
 
 class EngineCheckSession:
@@ -34,17 +55,24 @@ class EngineCheckSession:
         from pytest_enginecheck.targets import TARGET_PRELOAD
 
         add_preload_modules(*CHILD_MODULES, *TARGET_PRELOAD.get(settings.target, ()))
-        if settings.trace_dir:  # the check children inherit it: each engine start writes its trace there
-            os.makedirs(settings.trace_dir, exist_ok=True)
-            os.environ["ENGINE_REF_TRACE_DIR"] = settings.trace_dir
         self.config = config
         self.settings = settings
         self.results: list[dict[str, Any]] = []
         self._workdir: str | None = None
+        self._description: TargetDescription | None = None
+        self.outcomes: dict[str, dict[str, str]] = {}  # arch -> item name -> outcome, known in this process
 
     @property
     def is_xdist_worker(self) -> bool:
         return hasattr(self.config, "workerinput")
+
+    @property
+    def description(self) -> TargetDescription:
+        """The target's description: the controller's in an xdist worker, else described here once."""
+        if self._description is None:
+            given = getattr(self.config, "workerinput", {}).get(DESCRIPTION_KEY)
+            self._description = pickle.loads(given) if given is not None else self.describe_target()
+        return self._description
 
     def describe_target(self) -> TargetDescription:
         """The target's architectures, resolved in a child process (the pytest process stays light)."""
@@ -87,47 +115,83 @@ class EngineCheckSession:
         s = self.settings
         return [CheckContext(check=check, spec=s.target, architecture=entry.architecture, module=entry.module,
                              class_name=entry.class_name, workdir=self.workdir, tp=tp, tp_sizes=s.tp_sizes,
-                             strict=s.strict, device_memory=s.device_memory, timeout=s.timeout)
-                for check in checks if check != "plugins" for tp in (s.tp_sizes if check in TP_CHECKS else (1,))]
+                             strict=s.strict, device_memory=s.device_memory, timeout=s.timeout,
+                             budget_memory=s.budget_memory, budget_utilization=s.budget_utilization,
+                             budget_max_model_len=s.budget_max_model_len)
+                for check in checks for tp in (s.tp_sizes if check in TP_CHECKS else (1,))]
 
-    def plugin_contexts(self, description: TargetDescription) -> dict[str, list[CheckContext]]:
-        """The plugins check: one item per general-plugin entry point, ``enginecheck::plugin:<name>::plugins``."""
-        s = self.settings
-        return {f"plugin:{name}": [CheckContext(check="plugins", spec=s.target, architecture=f"plugin:{name}",
-                                                module=value.split(":")[0], class_name=distribution,
-                                                workdir=self.workdir, strict=s.strict, timeout=s.timeout,
-                                                plugin=name)]
-                for name, value, distribution in description.plugins}
+    def settings_line(self) -> str:
+        """What this run checks and with which limits, in one line (as pytest-timeout prints its settings)."""
+        s, description = self.settings, self.description
+        plugins = plugin_count(s.target)
+        return (f"enginecheck: target={s.target} ({len(description.entries)} architectures, {plugins} "
+                f"plugin{'s' if plugins != 1 else ''}), checks={','.join(self.select_checks(description))}, "
+                f"tp={','.join(map(str, s.tp_sizes))}, timeout={s.timeout:g}s, budget={s.budget_memory} per rank "
+                f"x {s.budget_utilization:g} utilization at max_model_len={s.budget_max_model_len}, "
+                f"device_memory={s.device_memory or 'not predicted'}")
+
+    def pytest_report_header(self, config: pytest.Config) -> list[str]:
+        """The settings line; describing the target here makes a bad target a usage error before collection."""
+        return [] if self.is_xdist_worker else [self.settings_line()]
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_configure_node(self, node: Any) -> None:
+        """pytest-xdist: each worker gets this process's description instead of describing the target again."""
+        node.workerinput[DESCRIPTION_KEY] = pickle.dumps(self.description)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
                                       items: list[pytest.Item]) -> None:
         """Add the check items before -k / -m selection runs."""
-        description = self.describe_target()  # now: a bad target is a usage error, not a collection error
+        description = self.description  # now at the latest: a bad target is a usage error, not a collection error
         checks = self.select_checks(description)
         contexts = {entry.architecture: self.contexts(entry, checks) for entry in description.entries}
-        if "plugins" in checks:
-            contexts = {**self.plugin_contexts(description), **contexts}
         collector = EngineCheckCollector.from_parent(session, name="enginecheck", nodeid="enginecheck",
                                                      contexts=contexts)
         items.extend(session.genitems(collector))
 
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        """Give each selected check the selected roots of its failures (after -k / -m: a deselected root
+        blames nothing)."""
+        selected = {(item.ctx.architecture, item.name): item for item in session.items if isinstance(item, CheckItem)}
+        for (arch, _), item in selected.items():
+            found = {name: (selected[arch, name].nodeid, selected[arch, name].ctx)
+                     for name in roots(item.ctx) if (arch, name) in selected}
+            item.depend_on(found, self.outcomes.setdefault(arch, {}))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+        """A skipped check reads as its architecture and reason (``SKIPPED [6] enginecheck::Arch: import failed,
+        see ...``), so the skips of one root cause fold into one line."""
+        report: pytest.TestReport = yield
+        if isinstance(item, CheckItem) and report.skipped and isinstance(report.longrepr, tuple):
+            report.longrepr = (str(item.session.startpath / item.parent.nodeid), None, report.longrepr[2])
+        return report
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Keep each check's result (reports from xdist workers arrive here on the controller too)."""
         for name, value in report.user_properties:
-            if name == RESULT_PROPERTY and report.when == "call" and isinstance(value, dict):
-                self.results.append(value)
+            if name == RESULT_PROPERTY and report.when == "call" and isinstance(value, str):
+                self.results.append(json.loads(value))
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        """The architecture x check table."""
-        if self.results and not self.is_xdist_worker:
-            terminalreporter.section("enginecheck summary")
-            for line in summary_table(self.results):
-                terminalreporter.write_line(line)
+        """The architecture x check table, and the counts of the run's other tests beside its own."""
+        archs = len({r["arch"] for r in self.results})
+        mode = summary_mode(self.settings.summary, archs)
+        if not self.results or self.is_xdist_worker or mode == "none":
+            return
+        others = {outcome: sum(getattr(r, "count_towards_summary", True) and not r.nodeid.startswith("enginecheck::")
+                               for r in terminalreporter.stats.get(outcome, ()))
+                  for outcome in PYTEST_OUTCOMES}
+        terminalreporter.section("enginecheck summary")
+        for line in summary_table(self.results, mode, others):
+            terminalreporter.write_line(line)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         """Write the JSON report and remove the session's generated checkpoints."""
-        if self.settings.json_path and not self.is_xdist_worker:
-            write_json(self.settings.json_path, self.settings.target, self.results)
-        if self._workdir is not None:
-            shutil.rmtree(self._workdir, ignore_errors=True)
+        try:
+            if self.settings.json_path and not self.is_xdist_worker:
+                write_json(self.settings.json_path, self.settings.target, self.results)
+        finally:
+            if self._workdir is not None:
+                shutil.rmtree(self._workdir, ignore_errors=True)

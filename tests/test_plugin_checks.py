@@ -10,21 +10,51 @@ import os
 import re
 import runpy
 import shutil
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from pytest_enginecheck.report import summary_mode, summary_table
+
 ZOO = Path(__file__).parent / "plugin_zoo"
 MODELS: dict[str, str] = runpy.run_path(str(ZOO / "zoo" / "__init__.py"))["MODELS"]
 CHECKS = "--enginecheck-checks=import,inspect,load,startup"  # the bundled zoo's, budget aside
 TIMEOUT = 4  # --enginecheck-timeout of the broken zoo runs: the hanging module costs this, twice
-RESULT_KEYS = {"arch", "check", "outcome", "duration_s", "message", "detail"}
+RESULT_KEYS = {"arch", "check", "outcome", "duration_s", "phases", "message", "detail"}
 BUNDLED = ["LlamaForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
            "LlavaForConditionalGeneration"]
 BUNDLED_CHECKS = ["import", "inspect", "load[tp=1]", "load[tp=2]", "startup"]
 
 Results = dict[tuple[str, str], dict[str, Any]]
+
+
+FOREIGN = "foreign_engine_ref_plugin"
+
+
+def install_foreign_plugin(site: Path) -> Path:
+    """Lay out, in ``site``, another distribution's engine_ref plugin (as a user's environment may hold one):
+    it registers one more architecture."""
+    (site / f"{FOREIGN}.py").write_text(
+        "def register():\n"
+        "    from engine_ref.model_executor.models.registry import ModelRegistry\n"
+        "    ModelRegistry.register_model('ForeignVendorForCausalLM', "
+        "'engine_ref.model_executor.models.llama:LlamaForCausalLM')\n")
+    dist_info = site / f"{FOREIGN}-1.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {FOREIGN}\nVersion: 1.0\n")
+    (dist_info / "entry_points.txt").write_text(f"[engine_ref.general_plugins]\nforeign = {FOREIGN}:register\n")
+    return site
+
+
+@pytest.fixture(autouse=True)
+def hermetic(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runs see another engine_ref plugin installed, as a user's environment may hold one, and load none:
+    the default target is the bundled zoo alone."""
+    site = install_foreign_plugin(tmp_path_factory.mktemp("foreign-site"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("ENGINE_REF_PLUGINS", "")
 
 
 @pytest.fixture
@@ -48,6 +78,10 @@ def run_enginecheck(pytester: pytest.Pytester, *args: str, name: str = "report")
         assert set(r) == RESULT_KEYS, r
         assert r["outcome"] in ("passed", "failed", "skipped") and isinstance(r["message"], str)
         assert isinstance(r["duration_s"], float) and r["duration_s"] >= 0 and isinstance(r["detail"], dict)
+        # where the time went: the child process around the check, the check (when the child answered), the
+        # phases of the engine it started
+        assert "process" in r["phases"] and all(v >= 0 for v in r["phases"].values()), r
+        assert r["phases"]["process"] + r["phases"].get("check", 0) == pytest.approx(r["duration_s"], abs=2e-4), r
         assert (r["message"] == "") == (r["outcome"] == "passed"), r
     results = {(r["arch"], r["check"]): r for r in report["results"]}
     assert len(results) == len(report["results"]), "one result per item"
@@ -158,8 +192,18 @@ def assert_import_results(results: Results, zoo_dir: Path) -> None:
         assert results[(arch, "import")]["outcome"] == "passed", results[(arch, "import")]
 
 
+# Their import check fails, and so would their inspection: it is skipped, naming the import. SwallowsCudaModel's
+# module catches the CUDA error, so its inspection passes, and a check that passes passes.
+IMPORT_FAILS = ["SeedVLForConditionalGeneration", *(a for a in CUDA_AT_IMPORT if a != "SwallowsCudaModel"),
+                "MissingDependencyModel", "RaisesModel", "SegfaultModel", "ExitsModel", "HangsModel", "MissingClassModel"]
+
+
 def assert_inspect_results(results: Results) -> None:
-    """The registry's inspection, with the child's own words."""
+    """The registry's inspection, with the child's own words; where the import failed, the inspection says so."""
+    for arch in IMPORT_FAILS:
+        r = results[(arch, "inspect")]
+        assert (r["outcome"], r["message"]) == ("skipped", f"import failed, see enginecheck::{arch}::import"), r
+        assert (r["detail"]["kind"], r["detail"]["root"]) == ("dependency", f"enginecheck::{arch}::import")
     not_a_model = results[("NotAModel", "inspect")]
     assert not_a_model["outcome"] == "failed"
     assert not_a_model["message"].startswith(
@@ -168,28 +212,42 @@ def assert_inspect_results(results: Results) -> None:
     assert not_a_model["message"].endswith(
         "TypeError: zoo.not_a_model.Model is not a model class: it has no load_weights(); a model must define "
         "forward() and load_weights(weights) -> set[str].\n")
-    raises = results[("RaisesModel", "inspect")]["message"]
-    assert "ValueError: rope_scaling type 'zigzag' is not supported by this zoo model" in raises
-    assert "was killed by SIGSEGV" in results[("SegfaultModel", "inspect")]["message"]
-    assert "exited with code 3" in results[("ExitsModel", "inspect")]["message"]
-    assert results[("HangsModel", "inspect")]["message"].startswith(
+    # the inspection's own failure, kept in the detail of the skip
+    assert "ValueError: rope_scaling type 'zigzag'" in results[("RaisesModel", "inspect")]["detail"]["failure"]
+    assert results[("HangsModel", "inspect")]["detail"]["failure"].startswith(
         f"Inspecting HangsModel did not finish within {TIMEOUT} s (--enginecheck-timeout)")
-    assert "has no class 'Model'" in results[("MissingClassModel", "inspect")]["message"]
-    for arch in INSPECT_PASSES:
+    for arch in [*INSPECT_PASSES, "SwallowsCudaModel"]:
         r = results[(arch, "inspect")]
         assert r["outcome"] == "passed", r
         assert (r["detail"]["architecture"], r["detail"]["class_name"]) == (arch, "Model")
 
 
+SKIPPED_MODULE = "import pytest\n\npytest.importorskip('zoo_module_not_installed')\n"
+
+
 def test_broken_zoo_serially_and_under_xdist(zoo: pytest.Pytester) -> None:
+    zoo.makepyfile(test_project_skipped=SKIPPED_MODULE)  # the project's own tests: one module skips
     args = ("--enginecheck-target=zoo:MODELS", "--enginecheck-checks=import,inspect", f"--enginecheck-timeout={TIMEOUT}")
-    result, results = run_enginecheck(zoo, *args, name="serial")
+    result, results = run_enginecheck(zoo, *args, "--junitxml=junit.xml", "-rfEs", name="serial")
     # Every item ran: the crash, the exit and the hang in the middle stopped nothing.
     assert set(results) == {(arch, check) for arch in MODELS for check in ("import", "inspect")}
     assert_import_results(results, zoo.path)
     assert_inspect_results(results)
     failed = sum(r["outcome"] == "failed" for r in results.values())
-    result.assert_outcomes(passed=len(results) - failed, failed=failed)
+    skipped = len(IMPORT_FAILS)
+    result.assert_outcomes(passed=len(results) - failed - skipped, failed=failed, skipped=skipped + 1)
+    result.stdout.fnmatch_lines([
+        f"enginecheck: target=zoo:MODELS ({len(MODELS)} architectures, 0 plugins), checks=import,inspect, tp=1,2, "
+        f"timeout={TIMEOUT}s, budget=512MiB per rank x 0.9 utilization at max_model_len=128, "
+        f"device_memory=not predicted"])
+    # one line per root cause for the skips
+    result.stdout.fnmatch_lines(["SKIPPED [[]1] enginecheck::HangsModel: import failed, see "
+                                 "enginecheck::HangsModel::import"])
+    # JUnit XML: each check's result as JSON, the same as the JSON report's
+    properties = {(case.get("classname"), case.get("name")): json.loads(prop.get("value"))
+                  for case in ET.parse(zoo.path / "junit.xml").iter("testcase")
+                  for prop in case.iter("property") if prop.get("name") == "enginecheck"}
+    assert {(r["arch"], r["check"]): r for r in properties.values()} == results
     result.stdout.fnmatch_lines([
         "*_ enginecheck SeedVLForConditionalGeneration import _*",
         "Importing zoo.seed_vl touched CUDA: it initialized CUDA: torch.cuda.get_device_properties at "
@@ -201,18 +259,28 @@ def test_broken_zoo_serially_and_under_xdist(zoo: pytest.Pytester) -> None:
         "architecture * import  inspect",
         "-----*",
         "DeviceObjectModel * ok      ok*",  # rows sorted by architecture
-        "SeedVLForConditionalGeneration  FAIL    FAIL*",
-        f"{len(MODELS)} architectures: {len(results) - failed} passed, {failed} failed, 0 skipped",
+        "SeedVLForConditionalGeneration  FAIL    skip*",
+        # the table's counts and pytest's agree: the project's skipped module is counted beside them
+        f"{len(MODELS)} architectures: {len(results) - failed - skipped} passed, {failed} failed, {skipped} skipped "
+        f"({skipped} because a check they depend on failed); other tests: 1 skipped",
     ])
     result.stdout.fnmatch_lines(["FAILED enginecheck::SegfaultModel::import - Importing zoo.segfault crashed*"])
     # A CUDA failure reads as its sentences alone, no traceback.
     assert section(result.stdout.str(), "enginecheck SeedVLForConditionalGeneration import") == \
         results[("SeedVLForConditionalGeneration", "import")]["message"]
 
-    xresult, xresults = run_enginecheck(zoo, *args, "-n", "2", name="xdist")
-    xresult.stdout.fnmatch_lines(["*2 workers*", "*= enginecheck summary =*"])
-    assert {(r["arch"], r["check"], r["outcome"]) for r in xresults.values()} == \
-           {(r["arch"], r["check"], r["outcome"]) for r in results.values()}
+    xresult, xresults = run_enginecheck(zoo, *args, "-n", "2", "--enginecheck-summary=failures", name="xdist")
+    xresult.stdout.fnmatch_lines(["*2 workers*", "*= enginecheck summary =*", "architecture * import  inspect",
+                                  "-----*", "ExitsModel * FAIL    skip*"])
+    # only the rows with a failure, and the count of the others
+    assert "DeviceObjectModel" not in xresult.stdout.str()
+    xresult.stdout.fnmatch_lines([f"({len(INSPECT_PASSES)} architectures without a failure not shown; "
+                                  f"--enginecheck-summary=all lists them)"])
+    # the same verdicts, and the same dependencies, whichever worker ran the root
+    assert {(r["arch"], r["check"], r["outcome"], r["message"] if r["outcome"] == "skipped" else "")
+            for r in xresults.values()} == \
+           {(r["arch"], r["check"], r["outcome"], r["message"] if r["outcome"] == "skipped" else "")
+            for r in results.values()}
     assert xresults[("SeedVLForConditionalGeneration", "import")]["detail"]["chain"] == \
            ["zoo.seed_vl", "zoo.seed_lm", "zoo.expert_parallel"]
 
@@ -338,3 +406,96 @@ def test_bundled_zoo_node_ids_and_selection(pytester: pytest.Pytester) -> None:
     result, results = run_enginecheck(pytester, CHECKS, "-k", "Llama and import")
     result.assert_outcomes(passed=1, deselected=len(node_ids) - 1)
     assert list(results) == [("LlamaForCausalLM", "import")]
+
+
+ROOT_CAUSE_CHECKS = "--enginecheck-checks=import,inspect,load,budget,startup"
+CUDA_ARCH, BUILD_ARCH = "CudaAtImportLlamaForCausalLM", "BrokenBuildLlamaForCausalLM"
+AFTER_IMPORT = ["inspect", "load[tp=1]", "load[tp=2]", "budget[tp=1]", "budget[tp=2]", "startup"]
+AFTER_BUILD = ["load[tp=2]", "budget[tp=1]", "budget[tp=2]", "startup"]
+
+
+def test_one_root_cause_one_failure_serially_and_under_xdist(zoo: pytest.Pytester) -> None:
+    """A module that touches CUDA at import fails its import check alone; a model that cannot be built fails
+    load[tp=1] alone; every check that depends on them says so, whichever worker ran the root."""
+    args = ("--enginecheck-target=zoo.root_causes:REGISTRY", ROOT_CAUSE_CHECKS, "-rfEs")
+    verdicts: dict[str, set[tuple[str, str, str, str]]] = {}
+    for mode, extra in (("serial", ()), ("xdist", ("-n", "2"))):
+        result, results = run_enginecheck(zoo, *args, *extra, name=mode)
+        result.assert_outcomes(passed=2, failed=2, skipped=len(AFTER_IMPORT) + len(AFTER_BUILD))
+        assert {key for key, r in results.items() if r["outcome"] == "failed"} == \
+               {(CUDA_ARCH, "import"), (BUILD_ARCH, "load[tp=1]")}
+        for arch, root, dependents in ((CUDA_ARCH, "import", AFTER_IMPORT), (BUILD_ARCH, "load[tp=1]", AFTER_BUILD)):
+            for check in dependents:
+                r = results[(arch, check)]
+                assert (r["outcome"], r["message"]) == ("skipped", f"{root} failed, see enginecheck::{arch}::{root}")
+            result.stdout.fnmatch_lines([glob(f"SKIPPED [{len(dependents)}] enginecheck::{arch}: {root} failed, "
+                                              f"see enginecheck::{arch}::{root}")])
+        # the root failures read as they did before
+        assert results[(CUDA_ARCH, "import")]["message"].startswith(
+            "Importing zoo.cuda_llama touched CUDA: it initialized CUDA: torch.zeros at ")
+        assert results[(BUILD_ARCH, "load[tp=1]")]["message"] == (
+            f"Loading {BUILD_ARCH} at tensor_parallel_size=1 raised ValueError: rope_theta must be set for the "
+            f"broken-build zoo model")
+        assert sorted(line.split(" - ")[0] for line in result.outlines if line.startswith("FAILED ")) == [
+            f"FAILED enginecheck::{BUILD_ARCH}::load[tp=1]", f"FAILED enginecheck::{CUDA_ARCH}::import"]
+        result.stdout.fnmatch_lines(["*= enginecheck summary =*", "2 architectures: 2 passed, 2 failed, 10 skipped "
+                                     "(10 because a check they depend on failed)"])
+        verdicts[mode] = {(*key, r["outcome"], r["message"] if r["outcome"] == "skipped" else "")
+                          for key, r in results.items()}
+    assert verdicts["xdist"] == verdicts["serial"]
+
+
+def test_a_deselected_root_blames_nothing(zoo: pytest.Pytester) -> None:
+    """Without its root in the run, a dependent check fails with its own failure: nothing passes silently."""
+    result, results = run_enginecheck(zoo, "--enginecheck-target=zoo.root_causes:REGISTRY",
+                                      "--enginecheck-checks=import,inspect", "-k", CUDA_ARCH,
+                                      "--deselect", f"enginecheck::{CUDA_ARCH}::import")
+    result.assert_outcomes(failed=1, deselected=3)
+    assert results[(CUDA_ARCH, "inspect")]["message"].startswith(f"Error inspecting model architecture '{CUDA_ARCH}'")
+
+
+def test_budget_check_options(pytester: pytest.Pytester) -> None:
+    """The budget check's device size, utilisation and max_model_len come from options (ini or flag), are printed
+    in the header, and a tiny checkpoint too big for them says to shrink example_config."""
+    args = ("--enginecheck-checks=budget", "--enginecheck-tp=1", "-k", "LlamaForCausalLM")
+    result, results = run_enginecheck(pytester, *args, "--enginecheck-budget-utilization=0.5",
+                                      "--enginecheck-budget-max-model-len=64", name="fits")
+    result.assert_outcomes(passed=1, deselected=len(BUNDLED) - 1)
+    result.stdout.fnmatch_lines(["enginecheck: target=engine_ref (5 architectures, 0 plugins), checks=budget, tp=1, "
+                                 "timeout=120s, budget=512MiB per rank x 0.5 utilization at max_model_len=64, *"])
+    fits = results[("LlamaForCausalLM", "budget[tp=1]")]
+    assert {k: fits["detail"][k] for k in ("budget", "gpu_memory_utilization", "max_model_len")} == \
+           {"budget": "512MiB", "gpu_memory_utilization": 0.5, "max_model_len": 64}
+    assert {"engine.config", "engine.executor", "engine.kv_cache"} <= set(fits["phases"])  # the engine's phases
+
+    pytester.makeini("[pytest]\nenginecheck_budget_memory = 2MiB\n")
+    result, results = run_enginecheck(pytester, *args, name="too_small")
+    result.assert_outcomes(failed=1, deselected=len(BUNDLED) - 1)
+    result.stdout.fnmatch_lines(["enginecheck: * budget=2MiB per rank x 0.9 utilization at max_model_len=128, *"])
+    message = results[("LlamaForCausalLM", "budget[tp=1]")]["message"]
+    assert re.fullmatch(
+        r"The tiny checkpoint of LlamaForCausalLM \(made from its example_config\) does not fit the budget check's "
+        r"device at tensor_parallel_size=1: rank 0 needs [\d.]+ [KM]iB \(.*\) but the budget is 2\.00 MiB\. Shrink "
+        r"example_config \(fewer layers, a smaller hidden_size, intermediate_size or vocab_size\) so the tiny model "
+        r"fits 2MiB per rank at gpu_memory_utilization=0\.9 and max_model_len=128 \(--enginecheck-budget-memory, "
+        r"--enginecheck-budget-utilization, --enginecheck-budget-max-model-len\)\.", message), message
+
+
+def test_summary_at_scale_lists_failures_first_and_counts_the_rest() -> None:
+    results = [{"arch": f"Arch{i:03d}ForCausalLM", "check": check, "outcome": "passed", "detail": {}}
+               for i in range(450) for check in ("import", "inspect")]
+    results[301] = {**results[301], "outcome": "failed"}  # Arch150's inspect
+    results[10] = {**results[10], "outcome": "failed"}  # Arch005's import
+    results[11] = {**results[11], "outcome": "skipped", "detail": {"kind": "dependency"}}
+    assert summary_table(results, summary_mode(None, 450)) == [  # from 400 architectures: failures alone, by default
+        "architecture        import  inspect",
+        "-----------------------------------",
+        "Arch005ForCausalLM  FAIL    skip   ",
+        "Arch150ForCausalLM  ok      FAIL   ",
+        "(448 architectures without a failure not shown; --enginecheck-summary=all lists them)",
+        "450 architectures: 897 passed, 2 failed, 1 skipped (1 because a check they depend on failed)",
+    ]
+    every = summary_table(results, "all", {"passed": 3, "failed": 0})
+    assert every[2:5] == ["Arch005ForCausalLM  FAIL    skip   ", "Arch150ForCausalLM  ok      FAIL   ",
+                          "Arch000ForCausalLM  ok      ok     "]  # failures first
+    assert len(every) == 2 + 450 + 1 and every[-1].endswith("; other tests: 3 passed")

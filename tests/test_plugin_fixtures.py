@@ -110,6 +110,16 @@ def rank_one_fails(rank, world_size):
     return rank
 
 
+@pytest.mark.world_size(0)
+def test_multirank_world_size_zero(multirank):
+    multirank(all_reduce_rank)
+
+
+@pytest.mark.world_size(3)
+def test_world_size_without_multirank():
+    pass
+
+
 def test_multirank_failing_rank(multirank):
     multirank(rank_one_fails)
 
@@ -147,6 +157,11 @@ def test_engine_budget_too_small(engine):
 def test_engine_budget_fits_at_tp2(engine):
     llm = engine("LlamaForCausalLM", tensor_parallel_size=2)
     assert [w.rank for w in llm.startup_report.workers] == [0, 1]
+
+
+@pytest.mark.memory_budget(per_rank="1MiB")
+def test_memory_budget_without_engine():
+    pass
 
 
 @pytest.fixture
@@ -211,6 +226,8 @@ def test_fixtures_in_a_user_test_run(user_run: tuple[pytest.RunResult, dict[str,
         "test_isolated_returns": "PASSED", "test_isolated_raises": "FAILED", "test_isolated_crash": "FAILED",
         "test_isolated_timeout": "FAILED",
         "test_multirank_all_reduce": "PASSED", "test_multirank_world_size_marker": "PASSED",
+        "test_multirank_world_size_zero": "ERROR", "test_world_size_without_multirank": "PASSED",
+        "test_memory_budget_without_engine": "PASSED",
         "test_multirank_failing_rank": "FAILED", "test_multirank_hanging_rank": "FAILED",
         "test_engine_tp1_and_tp2": "PASSED", "test_engine_budget_too_small": "FAILED",
         "test_engine_budget_fits_at_tp2": "PASSED", "test_engine_leftover_process": "PASSED",
@@ -218,7 +235,19 @@ def test_fixtures_in_a_user_test_run(user_run: tuple[pytest.RunResult, dict[str,
     for name, verdict in verdicts.items():
         result.stdout.fnmatch_lines([f"test_fx.py::{name} {verdict}*"])
     # --strict-markers accepted world_size and memory_budget: everything was collected and ran.
-    result.assert_outcomes(passed=8, failed=7, errors=2)
+    result.assert_outcomes(passed=10, failed=7, errors=3, warnings=2)
+
+    # a marker on a test without the fixture it configures: a warning at collection, naming both
+    result.stdout.fnmatch_lines([
+        "*PytestWarning: @pytest.mark.world_size does nothing on test_world_size_without_multirank: it configures "
+        "the 'multirank' fixture, which this test does not use. Request 'multirank', or remove the marker.",
+        "*PytestWarning: @pytest.mark.memory_budget does nothing on test_memory_budget_without_engine: it configures "
+        "the 'engine' fixture, which this test does not use. Request 'engine', or remove the marker.",
+    ], consecutive=False)
+    # world_size(0) does not run the default 2 ranks: the test errors, saying what to give
+    assert failures["ERROR at setup of test_multirank_world_size_zero"].strip() == (
+        "@pytest.mark.world_size(0) on test_multirank_world_size_zero: give a positive number of ranks, e.g. "
+        "@pytest.mark.world_size(2)")
 
     # no_cuda: the API and the line in the test, as the test's own failure...
     touch = failures["test_no_cuda_touch"]

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from pytest_enginecheck.checks import CHECKS, TP_CHECKS
+
 ZOO = Path(__file__).parent / "plugin_zoo"
 
 
@@ -82,13 +84,40 @@ def test_ini_options_work_like_flags_and_flags_win(zoo: pytest.Pytester) -> None
                  "ERROR: --enginecheck-tp='0': give positive integers, e.g. 1,2", id="tp-zero"),
     pytest.param(["--enginecheck-tp=1,two"], "",
                  "ERROR: --enginecheck-tp='1,two': give positive integers, e.g. 1,2", id="tp-word"),
-    pytest.param(["--enginecheck-timeout=-1"], "",
-                 "ERROR: --enginecheck-timeout='-1': give a positive number of seconds", id="timeout-negative"),
+    *[pytest.param([f"--enginecheck-timeout={value}"], "",
+                   f"ERROR: --enginecheck-timeout='{value}': give a finite positive number of seconds",
+                   id=f"timeout-{value}") for value in ("-1", "0", "inf", "nan", "-inf")],
+    # a bad ini value is named as the ini option it came from
     pytest.param([], "enginecheck_timeout = soon",
-                 "ERROR: --enginecheck-timeout='soon': give a positive number of seconds", id="timeout-ini"),
+                 "ERROR: ini option enginecheck_timeout='soon': give a finite positive number of seconds",
+                 id="timeout-ini"),
+    pytest.param([], "enginecheck_tp = 1,two",
+                 "ERROR: ini option enginecheck_tp='1,two': give positive integers, e.g. 1,2", id="tp-ini"),
+    pytest.param([], "enginecheck_device_memory = lots",
+                 "ERROR: ini option enginecheck_device_memory='lots' is not a size*", id="device-memory-ini"),
+    pytest.param([], "enginecheck_summary = most",
+                 "ERROR: ini option enginecheck_summary='most': choose from all, failures, none", id="summary-ini"),
+    pytest.param(["--enginecheck-summary=most"], "",
+                 "*--enginecheck-summary: invalid choice: 'most'*",
+                 id="summary-flag"),
+    pytest.param(["--enginecheck-budget-memory=big"], "",
+                 "ERROR: --enginecheck-budget-memory='big' is not a size*", id="budget-memory"),
+    *[pytest.param([f"--enginecheck-budget-utilization={value}"], "",
+                   f"ERROR: --enginecheck-budget-utilization='{value}': give a fraction in (0, 1], e.g. 0.9",
+                   id=f"budget-utilization-{value}") for value in ("1.5", "0", "nan")],
+    pytest.param([], "enginecheck_budget_max_model_len = 0",
+                 "ERROR: ini option enginecheck_budget_max_model_len='0': give a positive number of tokens, e.g. 128",
+                 id="budget-max-model-len-ini"),
+    # the JSON report's path is checked before anything runs
+    pytest.param(["--enginecheck-json=zoo"], "",
+                 "ERROR: --enginecheck-json='zoo': it is a directory; give a file path, e.g. enginecheck.json",
+                 id="json-directory"),
+    pytest.param(["--enginecheck-json=afile/report.json"], "",
+                 "ERROR: --enginecheck-json='afile/report.json': cannot write there (*); give a writable file path",
+                 id="json-under-a-file"),
     pytest.param(["--enginecheck-checks=import,bogus"], "",
-                 "ERROR: --enginecheck-checks: unknown check(s) bogus; choose from "
-                 "import,inspect,load,budget,startup", id="checks-unknown"),
+                 f"ERROR: --enginecheck-checks: unknown check(s) bogus; choose from {','.join(CHECKS)}",
+                 id="checks-unknown"),
     pytest.param(["--enginecheck-device-memory=8gigs"], "",
                  "ERROR: --enginecheck-device-memory='8gigs' is not a size; write a number with a unit such as "
                  "'8GiB'*", id="device-memory"),
@@ -109,11 +138,31 @@ def test_ini_options_work_like_flags_and_flags_win(zoo: pytest.Pytester) -> None
                  "ERROR: --enginecheck-checks: load cannot run on a mapping target (only import, inspect); "
                  "point --enginecheck-target at an engine_ref ModelRegistry.", id="mapping-target-load"),
 ])
-def test_bad_values_are_usage_errors(zoo: pytest.Pytester, args: list[str], ini: str, message: str) -> None:
+def test_bad_values_are_usage_errors(zoo: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                     args: list[str], ini: str, message: str) -> None:
     zoo.makeini(f"[pytest]\npythonpath = .\n{ini}\n")
     zoo.makepyfile(test_never_runs="def test_never_runs():\n    raise AssertionError('ran despite a usage error')\n")
+    (zoo.path / "afile").write_text("a file, not a directory\n")
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(private_tmp))
     result = zoo.runpytest_subprocess("-p", "no:cacheprovider", "--enginecheck", *args, timeout=120)
     assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str() + result.stderr.str()
     result.stderr.fnmatch_lines([message])
     assert "Traceback" not in result.stderr.str() + result.stdout.str()
     assert "ran despite a usage error" not in result.stdout.str()
+    # nothing left behind: no report or its temp file, no session temp dir
+    assert [p.name for p in zoo.path.rglob("*") if p.name.endswith((".tmp", ".json"))] == []
+    assert list(private_tmp.iterdir()) == []
+
+
+def test_help_says_what_each_option_and_marker_does(pytester: pytest.Pytester) -> None:
+    helped = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--help", timeout=120)
+    text = " ".join(helped.stdout.str().split())  # argparse wraps the help text
+    assert f"one item per size for each of the {', '.join(TP_CHECKS)} checks" in text
+    for flag in ("--enginecheck-summary={all,failures,none}", "--enginecheck-budget-memory=SIZE",
+                 "--enginecheck-budget-utilization=FRACTION", "--enginecheck-budget-max-model-len=TOKENS"):
+        assert flag in text
+    markers = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--markers", timeout=120)
+    markers.stdout.fnmatch_lines(["@pytest.mark.memory_budget(per_rank): * (needs the engine fixture: *",
+                                  "@pytest.mark.world_size(n): * needs the multirank fixture)"])

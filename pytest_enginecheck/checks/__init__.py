@@ -11,17 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-CHECKS = ("plugins", "import", "inspect", "load", "budget", "startup", "lora")
+CHECKS = ("import", "inspect", "load", "budget", "startup")
 CHECK_MODULES = {
-    "plugins": "pytest_enginecheck.checks.plugins_check",
     "import": "pytest_enginecheck.checks.import_check",
     "inspect": "pytest_enginecheck.checks.inspect_check",
     "load": "pytest_enginecheck.checks.load_check",
     "budget": "pytest_enginecheck.checks.budget_check",
     "startup": "pytest_enginecheck.checks.startup_check",
-    "lora": "pytest_enginecheck.checks.lora_check",
 }
-TP_CHECKS = ("load", "budget", "lora")  # one item per TP size
+TP_CHECKS = ("load", "budget")  # one item per TP size
+# One root cause, one failure: every check of an architecture imports its module (the root: the import
+# item), and these also build and start it (the root: the load[tp=1] item).
+BUILD_CHECKS = ("load", "budget", "startup", "lora", "quant")
+BUILD_ROOT = "load[tp=1]"
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,25 @@ class CheckContext:
     strict: bool = False
     device_memory: str | None = None
     timeout: float = 120.0
-    plugin: str = ""  # the plugins check: the entry point's name (``module`` is its module)
+    budget_memory: str = "512MiB"  # the budget check's tiny engine: device size, utilisation, max_model_len
+    budget_utilization: float = 0.9
+    budget_max_model_len: int = 128
 
 
 def item_name(ctx: CheckContext) -> str:
     """The item's name and its result's ``check``: ``load[tp=2]`` for a TP check, else the check."""
     return f"{ctx.check}[tp={ctx.tp}]" if ctx.check in TP_CHECKS else ctx.check
+
+
+def roots(ctx: CheckContext) -> tuple[str, ...]:
+    """The item names (of the same architecture) whose failure causes this item's, in the order to blame them."""
+    name = item_name(ctx)
+    found = () if ctx.check == "import" else ("import",)
+    if ctx.check not in BUILD_CHECKS or name == BUILD_ROOT:
+        return found
+    tp = ctx.tp if ctx.check in TP_CHECKS else max(ctx.tp_sizes)  # startup runs at the largest TP size
+    same_tp = f"load[tp={tp}]"  # a build that fails only at TP=N: load[tp=N] names the layer
+    return (*found, BUILD_ROOT, *((same_tp,) if tp > 1 and same_tp != name else ()))
 
 
 class CheckFailure(Exception):
@@ -74,11 +89,13 @@ class CheckResult:
     duration_s: float
     message: str = ""
     detail: dict[str, Any] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: "process" and "check", engine phases
 
     def to_dict(self) -> dict[str, Any]:
         """The result as a JSON object (the user property of the item and an entry of the JSON report)."""
         return {"arch": self.arch, "check": self.check, "outcome": self.outcome,
-                "duration_s": round(self.duration_s, 4), "message": self.message, "detail": self.detail}
+                "duration_s": round(self.duration_s, 4), "phases": {k: round(v, 4) for k, v in self.phases.items()},
+                "message": self.message, "detail": self.detail}
 
     def longrepr(self) -> str:
         """What a failure reads as: its sentences, then the child's traceback where one helps."""

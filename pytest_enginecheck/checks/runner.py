@@ -4,6 +4,8 @@
 ``run_check`` is the pytest process's side: it imports no torch and no engine, only the
 warm-process mechanism, and describes a crash, an early exit or a hang of the child as what it
 was, in the terms of the check (importing a module that segfaults is not a CUDA problem).
+``run_item`` adds the dependencies: a failure whose root (``checks.roots``) fails too is a skip
+that names the root, so one root cause reads as one failure.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 import importlib
 import time
 import traceback
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from engine_ref.isolation import ProcessCrashedError, ProcessTimeoutError, run_isolated, tail
@@ -21,13 +24,11 @@ from pytest_enginecheck.checks import CHECK_MODULES, CheckContext, CheckFailure,
 def subject(ctx: CheckContext) -> str:
     """What the check was doing, as the start of a sentence."""
     return {
-        "plugins": f"Loading plugin {ctx.plugin!r} ({ctx.module})",
         "import": f"Importing {ctx.module}",
         "inspect": f"Inspecting {ctx.architecture}",
         "load": f"Loading {ctx.architecture} at tensor_parallel_size={ctx.tp}",
         "budget": f"Measuring the memory of {ctx.architecture} at tensor_parallel_size={ctx.tp}",
         "startup": f"Starting and stopping {ctx.architecture}",
-        "lora": f"Running {ctx.architecture} with a LoRA adapter at tensor_parallel_size={ctx.tp}",
     }[ctx.check]
 
 
@@ -42,17 +43,27 @@ def _error(ctx: CheckContext, e: Exception) -> CheckResult:
                    {"kind": "error", "traceback": traceback.format_exc()})
 
 
+def _phases(seconds: float, detail: dict[str, Any]) -> dict[str, float]:
+    """The check's own time and, where it started an engine, the engine's startup phases."""
+    engine = detail.get("phases")
+    engine = engine if isinstance(engine, dict) else {}
+    return {"check": seconds, **{f"engine.{name}": float(s) for name, s in engine.items() if isinstance(s, float)}}
+
+
 def run_in_child(ctx: CheckContext) -> CheckResult:
     """Run the check here (in its child process): passed with its detail, failed, or skipped."""
+    start = time.perf_counter()
     try:
         detail = importlib.import_module(CHECK_MODULES[ctx.check]).run(ctx)
     except CheckSkip as e:
-        return _result(ctx, "skipped", str(e))
+        result = _result(ctx, "skipped", str(e))
     except CheckFailure as e:
-        return _result(ctx, "failed", e.message, e.detail)
+        result = _result(ctx, "failed", e.message, e.detail)
     except Exception as e:  # noqa: BLE001 - an error of the check itself, not of the architecture
-        return _error(ctx, e)
-    return _result(ctx, "passed", detail=detail)
+        result = _error(ctx, e)
+    else:
+        result = _result(ctx, "passed", detail=detail)
+    return dataclasses.replace(result, phases=_phases(time.perf_counter() - start, result.detail))
 
 
 def run_check(ctx: CheckContext) -> CheckResult:
@@ -79,4 +90,32 @@ def run_check(ctx: CheckContext) -> CheckResult:
                              {"kind": "exit", "exit_code": e.exitcode, "output": e.output})
     except Exception as e:  # noqa: BLE001 - the child could not be started or its result not read
         result = _error(ctx, e)
-    return dataclasses.replace(result, duration_s=time.perf_counter() - start)
+    duration = time.perf_counter() - start
+    # "process": starting the child and reading its answer back, around the check itself (all of it when the
+    # child died or hung before answering).
+    phases = {"process": max(0.0, duration - result.phases.get("check", 0.0)), **result.phases}
+    return dataclasses.replace(result, duration_s=duration, phases=phases)
+
+
+def run_item(ctx: CheckContext, roots: Mapping[str, tuple[str, CheckContext]],
+             outcomes: MutableMapping[str, str]) -> CheckResult:
+    """Run ``ctx``'s check; when it fails and one of its roots fails too, skip it, naming the root.
+
+    ``roots``: item name -> (node id, context) of the roots selected in this run, in the order to blame
+    them. ``outcomes``: item name -> outcome of this architecture's items known in this process (those
+    run here, and the roots rerun here). A root unknown here ran in another pytest-xdist worker, or not
+    yet: it is rerun here (failures only, so a passing run pays nothing), and both ways give the same
+    verdict. A check that passes passes, whatever its roots did.
+    """
+    result = run_check(ctx)
+    if result.outcome == "failed":
+        for name, (nodeid, root) in roots.items():
+            if name not in outcomes:
+                outcomes[name] = run_check(root).outcome
+            if outcomes[name] == "failed":
+                result = dataclasses.replace(
+                    result, outcome="skipped", message=f"{name} failed, see {nodeid}",
+                    detail={"kind": "dependency", "root": nodeid, "failure": result.message})
+                break
+    outcomes[item_name(ctx)] = result.outcome
+    return result
