@@ -195,7 +195,8 @@ def assert_import_results(results: Results, zoo_dir: Path) -> None:
 # Their import check fails, and so would their inspection: it is skipped, naming the import. SwallowsCudaModel's
 # module catches the CUDA error, so its inspection passes, and a check that passes passes.
 IMPORT_FAILS = ["SeedVLForConditionalGeneration", *(a for a in CUDA_AT_IMPORT if a != "SwallowsCudaModel"),
-                "MissingDependencyModel", "RaisesModel", "SegfaultModel", "ExitsModel", "HangsModel", "MissingClassModel"]
+                "MissingDependencyModel", "RaisesModel", "SegfaultModel", "ExitsModel", "HangsModel",
+                "MissingClassModel"]
 
 
 def assert_inspect_results(results: Results) -> None:
@@ -227,7 +228,8 @@ SKIPPED_MODULE = "import pytest\n\npytest.importorskip('zoo_module_not_installed
 
 def test_broken_zoo_serially_and_under_xdist(zoo: pytest.Pytester) -> None:
     zoo.makepyfile(test_project_skipped=SKIPPED_MODULE)  # the project's own tests: one module skips
-    args = ("--enginecheck-target=zoo:MODELS", "--enginecheck-checks=import,inspect", f"--enginecheck-timeout={TIMEOUT}")
+    args = ("--enginecheck-target=zoo:MODELS", "--enginecheck-checks=import,inspect",
+            f"--enginecheck-timeout={TIMEOUT}")
     result, results = run_enginecheck(zoo, *args, "--junitxml=junit.xml", "-rfEs", name="serial")
     # Every item ran: the crash, the exit and the hang in the middle stopped nothing.
     assert set(results) == {(arch, check) for arch in MODELS for check in ("import", "inspect")}
@@ -294,7 +296,8 @@ def test_strict_mode_fails_cuda_queries_at_import(zoo: pytest.Pytester) -> None:
         "DeviceObjectModel": "passed", "CachedCapabilityModel": "passed",
     }
     for arch, module, api, code in [
-        ("QueriesAvailableModel", "queries_available", "torch.cuda.is_available", "HAS_GPU = torch.cuda.is_available()"),
+        ("QueriesAvailableModel", "queries_available", "torch.cuda.is_available",
+         "HAS_GPU = torch.cuda.is_available()"),
         ("QueriesDeviceCountModel", "queries_device_count", "torch.cuda.device_count",
          "NUM_GPUS = torch.cuda.device_count()"),
     ]:
