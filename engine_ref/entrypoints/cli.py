@@ -17,6 +17,9 @@ MAX_LORAS_HELP = "adapters one batch can use, each in its own preallocated slot 
 MAX_LORA_RANK_HELP = "the largest adapter rank r a slot holds (default 16)"
 DASH_VALUE_OPTIONS = ("--device-memory",)  # options whose value may start with "-" ("-1GiB"): see main()
 LORA_BASE_DIR = "base_model"  # where make-lora writes the tiny checkpoint, inside the adapter directory
+QUANTIZATION_HELP = ("quantize the weights: fp8 (float8_e4m3fn, one scale per tensor), fbgemm_fp8 (one per channel) "
+                     "or int8 (W8A16, one scale per channel); a bf16/fp32 checkpoint is converted at startup "
+                     "(default: none, or the checkpoint's quantization_config)")
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +41,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="tokens per scheduled batch, which sizes the profile run (default: max(max_model_len, "
                              "2048))")
+    parser.add_argument("--quantization", "-q", default=None, metavar="METHOD", help=QUANTIZATION_HELP)
     _add_lora_args(parser)
 
 
@@ -65,7 +69,7 @@ def cmd_startup(args: argparse.Namespace) -> int:
             load_format=args.load_format, distributed_executor_backend=args.distributed_executor_backend,
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_num_batched_tokens=args.max_num_batched_tokens, enable_lora=args.enable_lora,
-            max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+            max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, quantization=args.quantization,
         )
         with llm:
             report = llm.startup_report
@@ -87,6 +91,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        quantization=args.quantization,
     )
     print(estimate.to_json() if args.json else estimate.format_table())
     return 0 if estimate.fits else 1
@@ -98,9 +103,16 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     from engine_ref.plugins import load_general_plugins
 
     load_general_plugins()
-    path = make_checkpoint(args.architecture, args.path, seed=args.seed, dtype=args.dtype,
-                           num_shards=args.num_shards)
-    print(f"wrote {args.architecture} checkpoint to {path}")
+    if args.quantization is None:
+        path = make_checkpoint(args.architecture, args.path, seed=args.seed, dtype=args.dtype,
+                               num_shards=args.num_shards)
+    else:
+        from engine_ref.model_executor.model_loader.quantized_checkpoint import make_quantized_checkpoint
+
+        path = make_quantized_checkpoint(args.architecture, args.path, args.quantization, seed=args.seed,
+                                         dtype=args.dtype, num_shards=args.num_shards)
+    quantized = f" {args.quantization}" if args.quantization else ""
+    print(f"wrote {args.architecture}{quantized} checkpoint to {path}")
     return 0
 
 
@@ -186,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="default: max_position_embeddings")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: max(max_model_len, 2048)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--quantization", "-q", default=None, metavar="METHOD", help=QUANTIZATION_HELP)
     _add_lora_args(p)
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     commands["estimate"] = cmd_estimate
@@ -198,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the weights written (default: float32)")
     p.add_argument("--num-shards", type=int, default=1,
                    help="split the weights over this many files with a model.safetensors.index.json (default: 1)")
+    p.add_argument("--quantization", "-q", default=None, metavar="METHOD",
+                   help="write it pre-quantized (8-bit weights, weight_scale tensors and config.json's "
+                        "quantization_config): fp8, fbgemm_fp8 or int8 (default: unquantized)")
     commands["make-checkpoint"] = cmd_make_checkpoint
 
     p = sub.add_parser("make-lora", help=cmd_make_lora.__doc__)
