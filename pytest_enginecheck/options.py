@@ -16,6 +16,7 @@ SUMMARIES = ("all", "failures", "none")
 BUDGET_MEMORY = "512MiB"
 BUDGET_UTILIZATION = 0.9
 BUDGET_MAX_MODEL_LEN = 128
+QUANT_METHODS = ("fp8", "int8")
 
 HELP = {
     "enginecheck": "check every registered architecture of the target engine (import, inspect, load, budget, startup)",
@@ -38,6 +39,8 @@ HELP = {
                             f"(default: {BUDGET_MAX_MODEL_LEN})",
     "strict": "also fail an import that calls torch.cuda.is_available()/device_count() (cuInit on GPU hosts)",
     "device_memory": "predict the fit of each architecture's full-size config on a device of this size, e.g. 80GiB",
+    "quant": f"comma-separated quantization methods for the quant check, one item per method and TP size, e.g. "
+             f"quant[fp8,tp=2]: fp8, fbgemm_fp8, int8 (default: {','.join(QUANT_METHODS)})",
 }
 
 
@@ -63,6 +66,7 @@ def add_options(parser: pytest.Parser) -> None:
     _add(group, parser, "budget_memory", metavar="SIZE")
     _add(group, parser, "budget_utilization", metavar="FRACTION")
     _add(group, parser, "budget_max_model_len", metavar="TOKENS")
+    _add(group, parser, "quant", metavar="METHODS")
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class Settings:
     budget_memory: str = BUDGET_MEMORY
     budget_utilization: float = BUDGET_UTILIZATION
     budget_max_model_len: int = BUDGET_MAX_MODEL_LEN
+    quant_methods: tuple[str, ...] = QUANT_METHODS
 
 
 def _get(config: pytest.Config, dest: str) -> object:
@@ -148,6 +153,21 @@ def _csv(value: object) -> list[str]:
     return [part.strip() for part in str(value).split(",") if part.strip()]
 
 
+def _quant_methods(config: pytest.Config) -> tuple[str, ...]:
+    """The quant check's methods: known to engine_ref's quantization, at least one."""
+    value = _get(config, "enginecheck_quant")
+    if not value:
+        return QUANT_METHODS
+    from engine_ref.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    methods = tuple(dict.fromkeys(_csv(value)))
+    unknown = [m for m in methods if m not in QUANTIZATION_METHODS]
+    if unknown or not methods:
+        raise _usage_error(config, "enginecheck_quant", f"unknown method(s) {', '.join(unknown) or '(none given)'}; "
+                                                        f"choose from {','.join(QUANTIZATION_METHODS)}")
+    return methods
+
+
 def resolve_settings(config: pytest.Config) -> Settings:
     """Read every option (CLI, then ini) and validate it; bad values raise pytest.UsageError."""
     checks = None
@@ -181,4 +201,5 @@ def resolve_settings(config: pytest.Config) -> Settings:
                                    "give a fraction in (0, 1], e.g. 0.9", top=1.0),
         budget_max_model_len=int(_number(config, "enginecheck_budget_max_model_len", BUDGET_MAX_MODEL_LEN, int,
                                          "give a positive number of tokens, e.g. 128")),
+        quant_methods=_quant_methods(config),
     )

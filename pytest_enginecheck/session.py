@@ -117,8 +117,9 @@ class EngineCheckSession:
                              class_name=entry.class_name, workdir=self.workdir, tp=tp, tp_sizes=s.tp_sizes,
                              strict=s.strict, device_memory=s.device_memory, timeout=s.timeout,
                              budget_memory=s.budget_memory, budget_utilization=s.budget_utilization,
-                             budget_max_model_len=s.budget_max_model_len)
-                for check in checks for tp in (s.tp_sizes if check in TP_CHECKS else (1,))]
+                             budget_max_model_len=s.budget_max_model_len, quantization=method)
+                for check in checks for method in (s.quant_methods if check == "quant" else (None,))
+                for tp in (s.tp_sizes if check in TP_CHECKS else (1,))]
 
     def settings_line(self) -> str:
         """What this run checks and with which limits, in one line (as pytest-timeout prints its settings)."""

@@ -11,15 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-CHECKS = ("import", "inspect", "load", "budget", "startup")
+CHECKS = ("import", "inspect", "load", "budget", "startup", "quant")
 CHECK_MODULES = {
     "import": "pytest_enginecheck.checks.import_check",
     "inspect": "pytest_enginecheck.checks.inspect_check",
     "load": "pytest_enginecheck.checks.load_check",
     "budget": "pytest_enginecheck.checks.budget_check",
     "startup": "pytest_enginecheck.checks.startup_check",
+    "quant": "pytest_enginecheck.checks.quant_check",
 }
-TP_CHECKS = ("load", "budget")  # one item per TP size
+TP_CHECKS = ("load", "budget", "quant")  # one item per TP size (quant: per method and TP size)
 # One root cause, one failure: every check of an architecture imports its module (the root: the import
 # item), and these also build and start it (the root: the load[tp=1] item).
 BUILD_CHECKS = ("load", "budget", "startup", "lora", "quant")
@@ -44,11 +45,16 @@ class CheckContext:
     budget_memory: str = "512MiB"  # the budget check's tiny engine: device size, utilisation, max_model_len
     budget_utilization: float = 0.9
     budget_max_model_len: int = 128
+    quantization: str | None = None  # the quant check: the method (``--enginecheck-quant``)
 
 
 def item_name(ctx: CheckContext) -> str:
-    """The item's name and its result's ``check``: ``load[tp=2]`` for a TP check, else the check."""
-    return f"{ctx.check}[tp={ctx.tp}]" if ctx.check in TP_CHECKS else ctx.check
+    """The item's name and its result's ``check``: ``load[tp=2]`` for a TP check (``quant[fp8,tp=2]``), else the
+    check."""
+    if ctx.check not in TP_CHECKS:
+        return ctx.check
+    method = "" if ctx.quantization is None else f"{ctx.quantization},"
+    return f"{ctx.check}[{method}tp={ctx.tp}]"
 
 
 def roots(ctx: CheckContext) -> tuple[str, ...]:

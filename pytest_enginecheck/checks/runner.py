@@ -29,6 +29,7 @@ def subject(ctx: CheckContext) -> str:
         "load": f"Loading {ctx.architecture} at tensor_parallel_size={ctx.tp}",
         "budget": f"Measuring the memory of {ctx.architecture} at tensor_parallel_size={ctx.tp}",
         "startup": f"Starting and stopping {ctx.architecture}",
+        "quant": f"Running {ctx.architecture} quantized with {ctx.quantization} at tensor_parallel_size={ctx.tp}",
     }[ctx.check]
 
 
