@@ -6,6 +6,7 @@ are columns of the summary table. One subprocess run, read item by item from its
 from __future__ import annotations
 
 import json
+
 import pytest
 
 QUANT_ZOO = '''
