@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -199,15 +198,16 @@ def run_startup(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
 
     ckpt = _checkpoint(ctx)
     tp = max(t for t in (*ctx.tp_sizes, 1) if t == 1 or _fits(ckpt, t))
-    # vLLM binds ZeroMQ IPC sockets in TMPDIR: the private one must stay under the 107-byte socket path limit.
-    short_root = tempfile.mkdtemp(prefix="ecv-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    # vLLM binds ZeroMQ IPC sockets in (each rank's private dir in) TMPDIR: keep the path short of the
+    # 107-byte socket limit by creating the check's private TMPDIR directly in /tmp.
+    _watch_only_this_engine("/tmp" if os.path.isdir("/tmp") else ctx.workdir)
+    private = os.environ["TMPDIR"]
     try:
-        _watch_only_this_engine(short_root)
         before = ResourceSnapshot.take()
         run = _start(ctx, ckpt, tp, mode)
         leaks = wait_for_no_leaks(before, ignore_regular_files=True)
     finally:
-        shutil.rmtree(short_root, ignore_errors=True)
+        shutil.rmtree(private, ignore_errors=True)
     if leaks:
         raise CheckFailure(f"{ctx.architecture} started and shut down at tensor_parallel_size={tp}, but left behind: "
                            f"{'; '.join(leaks)}.", {"kind": "leak", "leaks": leaks})

@@ -17,6 +17,8 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,11 +108,12 @@ def shutdown(llm: Any) -> None:
         cleanup()
 
 
-def _rank_main(ckpt: str, tp: int, rank: int, port: int, conn: multiprocessing.connection.Connection) -> None:
+def _rank_main(ckpt: str, tp: int, rank: int, port: int, ipc_dir: str,
+               conn: multiprocessing.connection.Connection) -> None:
     import cloudpickle
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+                      MASTER_PORT=str(port), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_RPC_BASE_PATH=ipc_dir)
     try:
         outcome: tuple = ("ok", _drive(ckpt, tp, "warm", rank, {"distributed_executor_backend": "external_launcher"}))
     except EngineStartError as e:
@@ -129,11 +132,14 @@ def _run_ranks(ckpt: str, tp: int, timeout: float) -> EngineRun:
 
     ctx = multiprocessing.get_context("fork")  # forks of this (warm, CUDA-free) process
     port = get_open_port()
+    # vLLM's shared-memory broadcast binds ZeroMQ IPC files here; a forked rank leaves by os._exit, which
+    # never closes them (a normal interpreter exit would), so the directory goes with the ranks.
+    ipc_dir = tempfile.mkdtemp(prefix="vllm-ipc-")
     ranks = []
     for rank in range(tp):
         reader, writer = ctx.Pipe(duplex=False)
-        ranks.append((rank, start_process(_rank_main, ckpt, tp, rank, port, writer, name=f"vllm-rank-{rank}",
-                                          ctx=ctx), reader))
+        ranks.append((rank, start_process(_rank_main, ckpt, tp, rank, port, ipc_dir, writer,
+                                          name=f"vllm-rank-{rank}", ctx=ctx), reader))
         writer.close()
     results: dict[int, tuple] = {}
     deadline = time.monotonic() + timeout
@@ -168,6 +174,7 @@ def _run_ranks(ckpt: str, tp: int, timeout: float) -> EngineRun:
         for _, proc, reader in ranks:
             proc.close(grace_s=10.0)
             reader.close()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
     runs = [results[rank][1] for rank in range(tp)]
     run = runs[0]
     run.memory = [m for r in runs for m in r.memory]
