@@ -8,13 +8,7 @@ from typing import Any
 
 import pytest
 
-ARCHITECTURES = [
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "LlavaForConditionalGeneration",
-]
+from tests.helpers import LLAMA
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +28,9 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def llama(tiny_checkpoint: Callable[..., Path]) -> Path:
+    """The tiny Llama checkpoint shared by the whole session (read-only)."""
+    return tiny_checkpoint(LLAMA)

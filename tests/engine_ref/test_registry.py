@@ -32,7 +32,7 @@ from engine_ref.model_executor.models.registry import (
     RegisteredModel,
     _ModelRegistry,
 )
-from tests.conftest import ARCHITECTURES
+from tests.helpers import ARCHITECTURES
 
 # A minimal model class: what ModelInfo.from_model_cls needs, and nothing heavy to import.
 TINY_MODEL_CLASS = '''

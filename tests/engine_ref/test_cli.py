@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 
 from engine_ref.entrypoints.cli import main
-from tests.conftest import ARCHITECTURES
+from tests.helpers import ARCHITECTURES, LLAMA
 
-LLAMA = "LlamaForCausalLM"
 SMALL = ["--max-model-len", "64", "--max-num-batched-tokens", "64", "--device-memory", "64MiB"]
 Run = Callable[[str], subprocess.CompletedProcess[str]]
 
@@ -42,11 +41,6 @@ def finish(process: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
         process.communicate()
         raise
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_checkpoint: Callable[..., Path]) -> Path:
-    return tiny_checkpoint(LLAMA)
 
 
 @pytest.fixture(scope="module")

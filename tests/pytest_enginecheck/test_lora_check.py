@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ARCHITECTURES as BUNDLED
+from tests.helpers import ARCHITECTURES as BUNDLED
 
-ZOO = Path(__file__).parent / "plugin_zoo"
+ZOO = Path(__file__).parents[1] / "plugin_zoo"
 LORA_ARCHITECTURES = ["LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3MoeForCausalLM"]
 LORA_CHECKS = ["lora[tp=1]", "lora[tp=2]"]
 

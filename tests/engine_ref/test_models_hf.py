@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import ARCHITECTURES
+from tests.helpers import ARCHITECTURES
 
 MAX_TOKENS = 8
 TEXT_PROMPTS = [[1, 5, 9], [1, 20, 30, 40, 50, 60, 70], [1, *range(100, 113)]]

@@ -214,7 +214,7 @@ def test_a_deadline_can_be_shortened_but_not_extended() -> None:
 def test_the_inspect_check_of_a_hanging_import_shows_the_inspection_childs_stacks(pytester: pytest.Pytester) -> None:
     """The model hangs in the registry's inspection child, two processes below pytest: its hung line is reported,
     not the check child's wait for it."""
-    zoo = Path(__file__).parent / "plugin_zoo"
+    zoo = Path(__file__).parents[1] / "plugin_zoo"
     shutil.copytree(zoo, pytester.path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
     pytester.makeini("[pytest]\npythonpath = .\n")
     report = pytester.path / "report.json"

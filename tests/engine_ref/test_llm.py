@@ -14,21 +14,15 @@ import torch
 
 from engine_ref import LLM
 from engine_ref.errors import EngineDeadError, InputError
+from tests.helpers import LLAMA, SMALL_ENGINE
 
-LLAMA = "LlamaForCausalLM"
-ENGINE: dict[str, Any] = {"device_memory": "64MiB", "max_model_len": 64, "max_num_batched_tokens": 64}
 PROMPTS = [[1, 5, 9, 13, 17, 21], [7, 3], [200, 100, 50, 25]]
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_checkpoint: Callable[..., Path]) -> Path:
-    return tiny_checkpoint(LLAMA)
 
 
 @pytest.fixture(scope="module")
 def llm(llama: Path) -> Iterator[LLM]:
     """One engine shared by the tests that only generate or read its report."""
-    with LLM(str(llama), **ENGINE) as engine:
+    with LLM(str(llama), **SMALL_ENGINE) as engine:
         yield engine
 
 
@@ -68,7 +62,7 @@ def test_unknown_argument_to_llm_is_a_type_error(llama: Path) -> None:
 def test_generate_is_deterministic(llm: LLM, llama: Path) -> None:
     first = llm.generate(prompt_token_ids=PROMPTS, max_tokens=6, ignore_eos=True)
     assert llm.generate(prompt_token_ids=PROMPTS, max_tokens=6, ignore_eos=True) == first
-    with LLM(str(llama), **ENGINE) as other:
+    with LLM(str(llama), **SMALL_ENGINE) as other:
         assert other.generate(prompt_token_ids=PROMPTS, max_tokens=6, ignore_eos=True) == first
     assert [len(tokens) for tokens in first] == [6, 6, 6]
 
@@ -89,7 +83,7 @@ def test_generation_stops_at_eos_unless_ignored(llm: LLM, llama: Path, tmp_path:
     config = json.loads((model / "config.json").read_text())
     config["eos_token_id"] = tokens[k]
     (model / "config.json").write_text(json.dumps(config))
-    with LLM(str(model), **ENGINE) as eos_llm:
+    with LLM(str(model), **SMALL_ENGINE) as eos_llm:
         assert eos_llm.generate(prompt_token_ids=[PROMPTS[0]], max_tokens=8)[0] == tokens[: k + 1]
         assert eos_llm.generate(prompt_token_ids=[PROMPTS[0]], max_tokens=8, ignore_eos=True)[0] == tokens
 
@@ -122,7 +116,7 @@ def test_startup_report(llm: LLM, llama: Path) -> None:
 
 
 def test_context_manager_shuts_down(llama: Path) -> None:
-    with LLM(str(llama), **ENGINE) as llm:
+    with LLM(str(llama), **SMALL_ENGINE) as llm:
         executor = llm.engine.executor
         assert not executor.is_shutdown
     assert executor.is_shutdown
@@ -133,7 +127,7 @@ def test_context_manager_shuts_down(llama: Path) -> None:
 
 
 def test_context_manager_shuts_down_on_error(llama: Path) -> None:
-    with pytest.raises(InputError), LLM(str(llama), **ENGINE) as llm:
+    with pytest.raises(InputError), LLM(str(llama), **SMALL_ENGINE) as llm:
         llm.generate(prompt_token_ids=[[]])
     assert llm.engine.executor.is_shutdown
 
@@ -141,7 +135,7 @@ def test_context_manager_shuts_down_on_error(llama: Path) -> None:
 def test_float16_engine_generates(tiny_checkpoint: Callable[..., Path]) -> None:
     """dtype follows config.json: a float16 checkpoint runs in float16."""
     model = tiny_checkpoint(LLAMA, dtype="float16")
-    with LLM(str(model), **ENGINE) as llm:
+    with LLM(str(model), **SMALL_ENGINE) as llm:
         assert llm.engine.config.model_config.torch_dtype == torch.float16
         assert next(llm.engine.executor.worker.model.parameters()).dtype == torch.float16
         tokens = llm.generate(prompt_token_ids=PROMPTS, max_tokens=4, ignore_eos=True)

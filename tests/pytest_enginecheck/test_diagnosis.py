@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ZOO = Path(__file__).parent / "plugin_zoo"
+ZOO = Path(__file__).parents[1] / "plugin_zoo"
 
 
 @pytest.fixture(scope="module")

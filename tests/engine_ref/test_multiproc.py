@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import select
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from engine_ref import LLM
-from engine_ref.entrypoints.cli import main as cli_main
 from engine_ref.config import ParallelConfig
+from engine_ref.entrypoints.cli import main as cli_main
 from engine_ref.errors import ConfigError, EngineDeadError, WorkerStartupError
 from engine_ref.executor.multiproc import MultiprocExecutor, WorkerError
 from engine_ref.executor.protocol import RpcTimeoutError
@@ -36,22 +36,16 @@ from engine_ref.model_executor.model_loader.checkpoint import example_config
 from pytest_enginecheck.leaks import temp_entries
 from tests import fault_models
 from tests.fault_models import fault_overrides
+from tests.helpers import LLAMA, SMALL_ENGINE, wait_gone
 
-LLAMA = "LlamaForCausalLM"
-ENGINE: dict[str, Any] = {"device_memory": "64MiB", "max_model_len": 64, "max_num_batched_tokens": 64}
 PROMPTS = [[1, 5, 9, 13, 17], [7, 3]]
 MAX_TOKENS = 4
-
-
-@pytest.fixture
-def llama(tiny_checkpoint: Callable[..., Path]) -> Path:
-    return tiny_checkpoint(LLAMA)
 
 
 @pytest.fixture(scope="module")
 def reference_tokens(tiny_checkpoint: Callable[..., Path]) -> list[list[int]]:
     """TP=1 greedy tokens of the tiny Llama (TP=1 itself is compared to transformers elsewhere)."""
-    with LLM(str(tiny_checkpoint(LLAMA)), **ENGINE) as llm:
+    with LLM(str(tiny_checkpoint(LLAMA)), **SMALL_ENGINE) as llm:
         return llm.generate(PROMPTS, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
@@ -68,29 +62,11 @@ def executor_of(llm: LLM) -> MultiprocExecutor:
     return executor
 
 
-def gone(pid: int) -> bool:
-    """The process no longer runs (a zombie waiting for a parent that is not us counts as gone)."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """The pids still running after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = [pid for pid in pids if not gone(pid)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.02)
-
-
 def start_failing(model: Path, **kwargs: Any) -> tuple[WorkerStartupError, float]:
     """Start an engine that must fail; return its error and how long failing took."""
     start = time.monotonic()
     with pytest.raises(WorkerStartupError) as info:
-        LLM(str(model), tensor_parallel_size=2, **ENGINE, **kwargs)
+        LLM(str(model), tensor_parallel_size=2, **SMALL_ENGINE, **kwargs)
     return info.value, time.monotonic() - start
 
 
@@ -98,7 +74,7 @@ def start_failing(model: Path, **kwargs: Any) -> tuple[WorkerStartupError, float
 
 
 def test_tp2_startup_report_per_rank(llama: Path, reference_tokens: list[list[int]]) -> None:
-    with LLM(str(llama), tensor_parallel_size=2, **ENGINE) as llm:
+    with LLM(str(llama), tensor_parallel_size=2, **SMALL_ENGINE) as llm:
         report = llm.startup_report
         assert llm.generate(PROMPTS, max_tokens=MAX_TOKENS, ignore_eos=True) == reference_tokens
         pids = [w.pid for w in report.workers]
@@ -119,7 +95,7 @@ def test_tp2_startup_report_per_rank(llama: Path, reference_tokens: list[list[in
 
 def test_workers_are_forks_of_the_warm_forkserver(llama: Path) -> None:
     """Workers are not forks of this process (which may hold CUDA): their parent is the forkserver."""
-    with LLM(str(llama), tensor_parallel_size=2, **ENGINE) as llm:
+    with LLM(str(llama), tensor_parallel_size=2, **SMALL_ENGINE) as llm:
         parents = {psutil.Process(w.pid).parent() for w in llm.startup_report.workers}
     assert len(parents) == 1
     (parent,) = parents
@@ -129,7 +105,7 @@ def test_workers_are_forks_of_the_warm_forkserver(llama: Path) -> None:
 
 
 def test_tp4_replicates_kv_heads_and_matches_tp1(llama: Path, reference_tokens: list[list[int]]) -> None:
-    with LLM(str(llama), tensor_parallel_size=4, **ENGINE) as llm:
+    with LLM(str(llama), tensor_parallel_size=4, **SMALL_ENGINE) as llm:
         assert llm.generate(PROMPTS, max_tokens=MAX_TOKENS, ignore_eos=True) == reference_tokens
         assert len({w.pid for w in llm.startup_report.workers}) == 4
 
@@ -167,7 +143,7 @@ def test_cli_startup_prints_the_per_rank_report(capsys: pytest.CaptureFixture[st
 
 
 def test_collective_rpc_results_errors_and_timeout(llama: Path) -> None:
-    with LLM(str(llama), tensor_parallel_size=2, **ENGINE) as llm:
+    with LLM(str(llama), tensor_parallel_size=2, **SMALL_ENGINE) as llm:
         executor = executor_of(llm)
         assert executor.collective_rpc(lambda worker, k: (worker.rank, os.getpid(), k), args=(7,)) == [
             (0, llm.startup_report.workers[0].pid, 7), (1, llm.startup_report.workers[1].pid, 7)]
@@ -192,7 +168,7 @@ def test_collective_rpc_results_errors_and_timeout(llama: Path) -> None:
         start = time.monotonic()
         with pytest.raises(TimeoutError, match=r"did not finish on rank 0, 1 within 0.5 s") as timeout:
             executor.collective_rpc(lambda worker: time.sleep(60), timeout=0.5)
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 30, "the call ends at its deadline, not when the 60 s sleep does"
         assert str(timeout.value).count("in <lambda>") == 2, "each rank's stack at the timeout"
         with pytest.raises(EngineDeadError, match="did not finish"):
             llm.generate(PROMPTS, max_tokens=1)
@@ -245,15 +221,16 @@ def test_a_rank_raising_in_a_collective_kills_the_engine_after_a_grace(faulty: C
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 1 raises in forward (the profile run) while rank 0 waits for it in an all-reduce."""
     monkeypatch.setattr(MultiprocExecutor, "rpc_error_grace_s", 1.0)
+    timeouts = {"rpc_timeout_s": 120.0, "collective_timeout_s": 120.0}
     start = time.monotonic()
     with pytest.raises(WorkerError, match="determine_available_memory failed on rank 1: .*InjectedFault") as info:
-        LLM(str(faulty("raise", "forward")), tensor_parallel_size=2, **ENGINE)
-    assert time.monotonic() - start < 8
+        LLM(str(faulty("raise", "forward")), tensor_parallel_size=2, **SMALL_ENGINE, **timeouts)
+    assert time.monotonic() - start < 120 / 2, "the grace ended it, not the RPC or collective timeout"
     assert info.value.rank == 1 and "_maybe_fail" in info.value.remote_traceback
 
 
 def test_shutdown_escalates_to_sigterm_then_sigkill(llama: Path) -> None:
-    llm = LLM(str(llama), tensor_parallel_size=2, **ENGINE)
+    llm = LLM(str(llama), tensor_parallel_size=2, **SMALL_ENGINE)
     executor = executor_of(llm)
 
     def stall_shutdown(worker: Any) -> None:  # runs in each rank
@@ -265,7 +242,7 @@ def test_shutdown_escalates_to_sigterm_then_sigkill(llama: Path) -> None:
     executor.shutdown_grace_s = executor.terminate_grace_s = 0.3
     start = time.monotonic()
     llm.shutdown()
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < 30, "the escalation ends the 60 s stalls"
     assert executor.exit_statuses == {0: "was killed by SIGKILL", 1: "was killed by SIGTERM"}
 
 
@@ -274,7 +251,7 @@ def test_shutdown_escalates_to_sigterm_then_sigkill(llama: Path) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV])
 def test_monitor_notices_a_dead_worker_within_a_second(llama: Path, sig: signal.Signals) -> None:
-    with LLM(str(llama), tensor_parallel_size=2, **ENGINE) as llm:
+    with LLM(str(llama), tensor_parallel_size=2, **SMALL_ENGINE) as llm:
         executor = executor_of(llm)
         victim = llm.startup_report.workers[1].pid
         other = llm.startup_report.workers[0].pid
@@ -305,7 +282,7 @@ def test_a_stopped_worker_fails_generate_within_the_rpc_timeout(llama: Path, how
         kwargs["rpc_timeout_s"] = timeout_s
     else:
         monkeypatch.setenv("ENGINE_REF_RPC_TIMEOUT_S", str(timeout_s))
-    with LLM(str(llama), tensor_parallel_size=2, **ENGINE, **kwargs) as llm:
+    with LLM(str(llama), tensor_parallel_size=2, **SMALL_ENGINE, **kwargs) as llm:
         pids = [w.pid for w in llm.startup_report.workers]
         os.kill(pids[1], signal.SIGSTOP)
         start = time.monotonic()
@@ -329,7 +306,7 @@ def test_a_stopped_worker_fails_generate_within_the_rpc_timeout(llama: Path, how
 def test_the_collective_timeout_is_its_own_setting(llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A short collective timeout (not the ready timeout) ends rank 0's wait; the stopped rank is blamed."""
     monkeypatch.setattr(MultiprocExecutor, "rpc_error_grace_s", 1.0)
-    with LLM(str(llama), tensor_parallel_size=2, collective_timeout_s=1.5, ready_timeout_s=120, **ENGINE) as llm:
+    with LLM(str(llama), tensor_parallel_size=2, collective_timeout_s=1.5, ready_timeout_s=120, **SMALL_ENGINE) as llm:
         pids = [w.pid for w in llm.startup_report.workers]
         os.kill(pids[1], signal.SIGSTOP)
         start = time.monotonic()
@@ -370,7 +347,8 @@ def test_timeout_fields_take_the_environment_and_refuse_bad_values(field: str,
 
 
 def test_two_engines_in_one_process_do_not_collide(llama: Path, reference_tokens: list[list[int]]) -> None:
-    with LLM(str(llama), tensor_parallel_size=2, **ENGINE) as a, LLM(str(llama), tensor_parallel_size=2, **ENGINE) as b:
+    with (LLM(str(llama), tensor_parallel_size=2, **SMALL_ENGINE) as a,
+          LLM(str(llama), tensor_parallel_size=2, **SMALL_ENGINE) as b):
         assert executor_of(a).distributed_init_method != executor_of(b).distributed_init_method
         assert not {w.pid for w in a.startup_report.workers} & {w.pid for w in b.startup_report.workers}
         for _ in range(2):  # interleaved: each engine's collectives stay within its own group
@@ -411,7 +389,7 @@ def test_engine(i):
 def test_two_xdist_workers_do_not_collide(llama: Path, reference_tokens: list[list[int]],
                                           pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     barrier = pytester.mkdir("barrier")
-    pytester.makepyfile(test_engines=XDIST_TEST.format(barrier=str(barrier), model=str(llama), engine=ENGINE,
+    pytester.makepyfile(test_engines=XDIST_TEST.format(barrier=str(barrier), model=str(llama), engine=SMALL_ENGINE,
                                                        prompts=PROMPTS, max_tokens=MAX_TOKENS))
     # Each xdist worker forks its ranks itself: a forkserver per worker would add seconds and no coverage,
     # as what could collide (rendezvous, ports, shared memory) does not depend on the start method.
@@ -440,7 +418,7 @@ if sys.argv[2] == "hold":
 
 def _start_script(llama: Path, script_dir: Path, mode: str) -> subprocess.Popen[str]:
     script = script_dir / "engine_script.py"
-    script.write_text(ENGINE_SCRIPT.format(engine=ENGINE))
+    script.write_text(ENGINE_SCRIPT.format(engine=SMALL_ENGINE))
     return subprocess.Popen([sys.executable, str(script), str(llama), mode], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "TMPDIR": str(script_dir / "script-tmp")})
@@ -541,12 +519,12 @@ def test_twenty_start_stop_cycles_leave_nothing_behind(llama: Path, tiny_checkpo
     monkeypatch.setenv("TMPDIR", str(private_tmp))
     monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
     for model in (llama, llava):  # the forkserver, the ModelInfo cache and lazy imports, once
-        with LLM(str(model), tensor_parallel_size=2, **ENGINE):
+        with LLM(str(model), tensor_parallel_size=2, **SMALL_ENGINE):
             pass
     before = _snapshot(private_tmp)
     for cycle in range(20):
         with_image = cycle % 5 == 0
-        llm = LLM(str(llava if with_image else llama), tensor_parallel_size=2, **ENGINE)
+        llm = LLM(str(llava if with_image else llama), tensor_parallel_size=2, **SMALL_ENGINE)
         executor = executor_of(llm)
         store = Path(executor.distributed_init_method.removeprefix("file://"))
         assert store.parent.parent == Path(owner_dir()) and store.parent.parent.parent == private_tmp

@@ -30,20 +30,19 @@ from engine_ref.model_executor.model_loader.loaders import (
     initialize_model,
 )
 from engine_ref.model_executor.model_loader.weight_utils import CheckpointTensor, LoadStats
+from tests.helpers import LLAMA, SMALL_ENGINE
 
-LLAMA = "LlamaForCausalLM"
-ENGINE: dict[str, Any] = {"device_memory": "64MiB", "max_model_len": 64, "max_num_batched_tokens": 64}
 PROMPTS = [[1, 5, 9, 13, 17], [7, 3]]
 MAX_TOKENS = 6
 
 
 def generate(model: Path, **kwargs: Any) -> list[list[int]]:
-    with LLM(str(model), **ENGINE, **kwargs) as llm:
+    with LLM(str(model), **SMALL_ENGINE, **kwargs) as llm:
         return llm.generate(prompt_token_ids=PROMPTS, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def start(model: Path, **kwargs: Any) -> None:
-    with LLM(str(model), **ENGINE, **kwargs):
+    with LLM(str(model), **SMALL_ENGINE, **kwargs):
         pass
 
 
@@ -52,11 +51,6 @@ def data_bytes(safetensors_file: Path) -> int:
     raw = safetensors_file.read_bytes()
     (header_len,) = struct.unpack("<Q", raw[:8])
     return len(raw) - 8 - header_len
-
-
-@pytest.fixture
-def llama(tiny_checkpoint: Callable[..., Path]) -> Path:
-    return tiny_checkpoint(LLAMA)
 
 
 @pytest.fixture
@@ -213,7 +207,7 @@ def test_a_narrower_float_tensor_is_widened(llama_copy: Path, llama: Path) -> No
     """Only float64 is refused: a bfloat16 tensor in a float32 checkpoint loads, exactly, as float32."""
     name = "model.norm.weight"
     edit_tensors(llama_copy, lambda t: t.update({name: t[name].bfloat16()}))
-    with LLM(str(llama_copy), **ENGINE) as llm:
+    with LLM(str(llama_copy), **SMALL_ENGINE) as llm:
         loaded = llm.engine.executor.worker.model.get_parameter(name)
         assert loaded.dtype == torch.float32
         assert torch.equal(loaded, load_file(llama / "model.safetensors")[name].bfloat16().float())
@@ -238,7 +232,7 @@ def test_pt_checkpoint_gives_the_same_tokens(tiny_checkpoint: Callable[..., Path
 
 def test_dummy_load_format_needs_no_weight_files(llama_copy: Path, reference_tokens: list[list[int]]) -> None:
     (llama_copy / "model.safetensors").unlink()
-    with LLM(str(llama_copy), load_format="dummy", **ENGINE) as llm:
+    with LLM(str(llama_copy), load_format="dummy", **SMALL_ENGINE) as llm:
         tokens = llm.generate(prompt_token_ids=PROMPTS, max_tokens=MAX_TOKENS, ignore_eos=True)
         assert llm.startup_report.workers[0].bytes_read == 0
         assert llm.startup_report.workers[0].memory.weights > 0
@@ -247,7 +241,7 @@ def test_dummy_load_format_needs_no_weight_files(llama_copy: Path, reference_tok
 
 
 def _config(model: Path, **kwargs: Any) -> EngineConfig:
-    return EngineArgs(model=str(model), **ENGINE, **kwargs).create_engine_config()
+    return EngineArgs(model=str(model), **SMALL_ENGINE, **kwargs).create_engine_config()
 
 
 def test_load_weights_covers_every_parameter(llama: Path) -> None:

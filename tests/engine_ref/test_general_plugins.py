@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ARCHITECTURES
+from tests.helpers import ARCHITECTURES
 from tests.plugin_dists import CLASS_ARCH, CUDA_PKG, ENTRY_POINTS, OOT_ARCH, PACKAGE, write_plugin_site
 
 WORKING = "a,b,oot,class"
@@ -266,7 +266,7 @@ def test_default_run_with_a_raising_plugin_is_not_green(site_dir: Path, pytester
 
 def readme_files() -> dict[str, str]:
     """The README section's code blocks, by the file each names on its first line (``# path``)."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
     section = readme.split("\n## Check your own model\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```(?:python|toml)\n(.*?)```", section, flags=re.S)
     return {block.splitlines()[0].removeprefix("# "): block for block in blocks}

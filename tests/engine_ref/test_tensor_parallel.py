@@ -7,27 +7,22 @@ same engines prove that each rank reads only its shard of the checkpoint.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from engine_ref import LLM
 from engine_ref.config import valid_tensor_parallel_sizes
 from engine_ref.engine.report import StartupReport
 from engine_ref.model_executor.model_loader.checkpoint import example_config
-from tests.conftest import ARCHITECTURES
+from tests.helpers import ARCHITECTURES, MAX_SHARE_READ_AT_TP2, checkpoint_bytes
 
 ENGINE: dict[str, Any] = {"device_memory": "256MiB", "max_model_len": 64, "max_num_batched_tokens": 64}
 MAX_TOKENS = 6
 IMAGE_TOKENS = 16  # a 32x32 image in 8x8 patches
-# At TP=2 a rank holds half of every sharded tensor plus every replicated one (norms, routers,
-# biases of row-parallel layers, Llava's projector): a few percent over half.
-MAX_SHARE_READ_AT_TP2 = 0.55
 
 
 def tp_sizes(architecture: str) -> list[int]:
@@ -66,17 +61,6 @@ def transformers_tokens(model: Path, architecture: str, prompts: list[list[int]]
                                     do_sample=False, min_new_tokens=MAX_TOKENS, max_new_tokens=MAX_TOKENS, **extra)
             tokens.append(out[0, len(prompt):].tolist())
     return tokens
-
-
-def checkpoint_bytes(model: Path) -> int:
-    """Bytes of tensor data in the checkpoint's safetensors files."""
-    total = 0
-    for path in model.glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                tensor_slice = f.get_slice(name)
-                total += math.prod(tensor_slice.get_shape()) * torch.finfo(torch.float32).bits // 8
-    return total
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,6 @@ from engine_ref.kv_cache.spec import FullAttentionSpec, bytes_per_block
 from engine_ref.memory.accounting import MemoryUsage
 from engine_ref.utils import format_bytes
 
-LLAMA = "LlamaForCausalLM"
 # The tiny Llama: 2 layers, 2 KV heads of 64 / 4 = 16 dims, float32.
 LLAMA_LAYERS, LLAMA_KV_HEADS, LLAMA_HEAD_DIM = 2, 2, 16
 
@@ -247,11 +245,6 @@ def test_override_blocks_without_memory_left_still_say_how_many_fit() -> None:
 # -- through a real engine -------------------------------------------------------------------------
 
 
-@pytest.fixture
-def llama(tiny_checkpoint: Callable[..., Path]) -> Path:
-    return tiny_checkpoint(LLAMA)
-
-
 def start_llm(model: Path, **kwargs: Any) -> LLM:
     settings_ = {"device_memory": "64MiB", "max_model_len": 256, "max_num_batched_tokens": 256, **kwargs}
     return LLM(str(model), **settings_)
@@ -316,19 +309,3 @@ def test_no_memory_left_for_the_kv_cache_names_rank_and_categories(llama: Path) 
                      r"peak \(\d+\.\d\d KiB\)", message), message
     assert "0.9 x 1.00 MiB" in message
     assert "lower max_num_batched_tokens" in message
-
-
-# -- scheduler -------------------------------------------------------------------------------------
-
-
-def test_prompts_of_different_lengths_are_all_served_and_blocks_return(llama: Path) -> None:
-    """With room for only two requests at a time, every prompt still completes; the pool ends full."""
-    prompts = [list(range(1, n + 1)) for n in (3, 17, 30, 9, 40)]
-    with start_llm(llama, max_model_len=64, max_num_batched_tokens=64, num_gpu_blocks_override=5) as llm:
-        pool = llm.engine.scheduler.block_pool
-        outputs = llm.generate(prompt_token_ids=prompts, max_tokens=8, ignore_eos=True)
-        assert pool.num_free_blocks == pool.num_blocks == 5
-        assert not llm.engine.has_unfinished_requests()
-        alone = [llm.generate(prompt_token_ids=[p], max_tokens=8, ignore_eos=True)[0] for p in prompts]
-    assert [len(o) for o in outputs] == [8] * len(prompts)
-    assert outputs == alone

@@ -26,8 +26,8 @@ from engine_ref.lora.config import LoRAConfig
 from engine_ref.lora.models import LoRAModelManager
 from engine_ref.lora.peft_helper import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from engine_ref.lora.request import LoRARequest
+from tests.helpers import LLAMA
 
-LLAMA = "LlamaForCausalLM"
 LORA_ARCHITECTURES = [LLAMA, "Qwen2ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"]
 PROMPTS = [[1, 5, 9, 13, 17], [1, 20, 30, 40, 50, 60, 70]]
 MAX_TOKENS = 6

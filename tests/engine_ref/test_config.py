@@ -22,8 +22,8 @@ from engine_ref.engine.arg_utils import EngineArgs
 from engine_ref.errors import ConfigError, MissingConfigField, UnknownArchitectureError
 from engine_ref.model_executor.model_loader.checkpoint import example_config
 from engine_ref.utils import parse_size
+from tests.helpers import LLAMA
 
-LLAMA = "LlamaForCausalLM"
 LLAVA = "LlavaForConditionalGeneration"
 # The size units the engine documents, written out here as the test's own oracle.
 SIZE_UNITS = {

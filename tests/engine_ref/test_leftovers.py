@@ -24,9 +24,9 @@ import pytest
 from engine_ref.isolation.tempdirs import PREFIX, owner_dir, start_time, sweep
 from tests import fault_models
 from tests.fault_models import fault_overrides
+from tests.helpers import SMALL_ENGINE
 
-REPO = Path(__file__).parent.parent
-ENGINE = {"device_memory": "64MiB", "max_model_len": 64, "max_num_batched_tokens": 64}
+REPO = Path(__file__).parents[2]
 OURS = (PREFIX, "enginecheck-", "pymp-")  # every name we make at the top of a temp dir, old layouts included
 
 ENGINE_SCRIPT = """
@@ -34,6 +34,7 @@ import sys, time
 sys.path.insert(0, {repo!r})
 from engine_ref import LLM
 from tests import fault_models
+from tests.helpers import SMALL_ENGINE
 
 with fault_models.registered():
     print("starting", flush=True)
@@ -103,7 +104,7 @@ def read_line(proc: subprocess.Popen[str], expected: str, timeout: float) -> Non
 @pytest.fixture
 def engine_script(tmp: Path) -> Iterator[Path]:
     script = tmp.parent / f"{tmp.name}-engine.py"
-    script.write_text(ENGINE_SCRIPT.format(repo=str(REPO), engine=ENGINE))
+    script.write_text(ENGINE_SCRIPT.format(repo=str(REPO), engine=SMALL_ENGINE))
     yield script
     script.unlink()
 

@@ -25,11 +25,10 @@ from engine_ref.executor.ray_distributed import RayDistributedExecutor
 from engine_ref.isolation import RemoteTraceback
 from tests import fault_models
 from tests.fault_models import fault_overrides
-from tests.test_tensor_parallel import MAX_SHARE_READ_AT_TP2, checkpoint_bytes
+from tests.helpers import LLAMA, MAX_SHARE_READ_AT_TP2, checkpoint_bytes, wait_gone
 
 ray = pytest.importorskip("ray", reason="ray is not installed; install the extra: pip install '.[ray]'")
 
-LLAMA = "LlamaForCausalLM"
 ENGINE: dict[str, Any] = {"device_memory": "64MiB", "max_model_len": 64, "max_num_batched_tokens": 64,
                           "distributed_executor_backend": "ray", "tensor_parallel_size": 2}
 PROMPTS = [[1, 5, 9, 13, 17], [7, 3]]
@@ -50,15 +49,6 @@ def actor_processes() -> set[int]:
         except psutil.NoSuchProcess:
             pass
     return found
-
-
-def wait_gone(pids: set[int], timeout: float) -> set[int]:
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = {pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE}
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
 
 
 @pytest.fixture

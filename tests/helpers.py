@@ -1,0 +1,68 @@
+"""What several test modules share: the bundled architectures, small engine settings, and the
+process and checkpoint helpers the leak and sharding tests use. Test modules import from here,
+never from each other."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURES = [
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "LlavaForConditionalGeneration",
+]
+LLAMA = "LlamaForCausalLM"
+# A tiny-Llama engine that starts in milliseconds: a small simulated device and short sequences.
+SMALL_ENGINE: dict[str, Any] = {"device_memory": "64MiB", "max_model_len": 64, "max_num_batched_tokens": 64}
+# At TP=2 a rank holds half of every sharded tensor plus every replicated one (norms, routers,
+# biases of row-parallel layers, Llava's projector): a few percent over half.
+MAX_SHARE_READ_AT_TP2 = 0.55
+
+
+def checkpoint_bytes(model: Path) -> int:
+    """Bytes of tensor data in the checkpoint's safetensors files, each tensor at its stored dtype."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in model.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                tensor = f.get_slice(name)
+                total += math.prod(tensor.get_shape()) * _itemsize(tensor.get_dtype())
+    return total
+
+
+# Bytes per element of the dtypes a safetensors header names.
+_ITEMSIZE = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2,
+             "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _itemsize(safetensors_dtype: str) -> int:
+    return _ITEMSIZE[safetensors_dtype]
+
+
+def gone(pid: int) -> bool:
+    """The process no longer runs (a zombie waiting for a parent that is not us counts as gone)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
+    """The pids still running after ``timeout`` seconds (returns as soon as all are gone)."""
+    pids = list(pids)
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [pid for pid in pids if not gone(pid)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.02)
