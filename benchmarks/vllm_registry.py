@@ -4,8 +4,9 @@ inspection of a few, in one run (run it with the Python of a venv that has vLLM)
     python benchmarks/vllm_registry.py [--limit N] [--subprocess-sample 3]
 
 Steps: list the architectures (plugins loaded) and derive the preload in throwaway children; this
-process then imports the preload under the CUDA guard and is the warm parent (children by fork); then one warm child per architecture for ``import`` alone and
-one for ``import`` + ``inspect`` (the ModelInfo built in the fork, vLLM's own function), serially;
+process then imports the preload under the CUDA guard and is the warm parent (children by fork);
+then one warm child per architecture for ``import`` alone and one for ``import`` + ``inspect`` (the
+ModelInfo built in the fork by vLLM's own function), serially;
 then vLLM's own ``inspect_model_cls`` (a fresh interpreter per class, empty cache) for a sample.
 Targets (issue 11, vLLM 0.33's 415 architectures, 2 cores): import <= 90 s, import + inspect <= 4 min.
 """
@@ -110,7 +111,7 @@ def main() -> None:
         mean_sub = sum(sub.values()) / max(1, len(sub))
         print(f"vLLM's own subprocess inspection:         {mean_sub:7.1f} s each over {sorted(sub)} "
               f"-> {mean_sub * n / 60:.1f} min for {n}; fork is {mean_sub / (both_s / n):.0f}x cheaper per class")
-        print(f"verdicts identical between the two sweeps: {import_verdicts == {**verdicts, **{a: v for a, v in import_verdicts.items() if a in failed}}}")
+        print(f"verdicts identical between the two sweeps: {import_verdicts == verdicts}")
         print(f"not passed ({len(failed)}): {failed}")
         print(f"load: {os.getloadavg()}")
     finally:

@@ -19,7 +19,7 @@ from pytest_enginecheck.vllm_adapter import registry
 from pytest_enginecheck.vllm_adapter.checkpoints import NoTinyCheckpoint, tiny_checkpoint
 from pytest_enginecheck.vllm_adapter.engine import EngineRun, EngineStartError, run_engine
 from pytest_enginecheck.vllm_adapter.env import redirect_caches
-from pytest_enginecheck.vllm_adapter.plugins import PluginEntry, list_plugins, run_in_inspection_subprocess, run_plugin
+from pytest_enginecheck.vllm_adapter.plugins import PluginEntry, run_in_inspection_subprocess, run_plugin
 from pytest_enginecheck.vllm_adapter.probe import probe
 
 DEFAULT_BUDGET = "512MiB"
@@ -96,9 +96,10 @@ def run_plugin_check(ctx: CheckContext, entry: PluginEntry) -> dict[str, Any]:
                            {"kind": "plugin_error", "traceback": outcome.traceback})
     ok, output = run_in_inspection_subprocess(entry)
     if not ok:
-        root = registry._root_line(output)
-        raise CheckFailure(f"Loading {who} fails in vLLM's inspection subprocess ({' '.join(probe().subprocess_command)}): "
-                           f"{root}\n{output}", {"kind": "plugin_subprocess"})
+        root = registry.root_line(output)
+        command = " ".join(probe().subprocess_command)
+        raise CheckFailure(f"Loading {who} fails in vLLM's inspection subprocess ({command}): {root}\n{output}",
+                           {"kind": "plugin_subprocess"})
     return {"entry_point": entry.value, "distribution": entry.distribution}
 
 
@@ -161,7 +162,8 @@ def run_load(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
     reference = _shared_run(ctx, ckpt, 1, mode)
     for i, (got, want) in enumerate(zip(run.tokens, reference.tokens, strict=True)):
         if got != want:
-            position = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            position = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                            min(len(got), len(want)))
             raise CheckFailure(
                 f"{ctx.architecture} at tensor_parallel_size={ctx.tp} generates other greedy tokens than at "
                 f"tensor_parallel_size=1 (float32): prompt {i} differs from token {position} on ({got} vs {want}). "

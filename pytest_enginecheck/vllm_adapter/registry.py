@@ -90,7 +90,7 @@ class InspectionError(Exception):
         self.output = output
 
 
-def _root_line(text: str) -> str:
+def root_line(text: str) -> str:
     """The last ``Type: message`` line of a traceback text (the root exception)."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     exception_lines = [line for line in lines if not line.startswith(("File ", "^", "~")) and ":" in line
@@ -105,5 +105,5 @@ def inspect_in_subprocess(architecture: str) -> dict[str, Any]:
         info = registered.inspect_model_cls()
     except Exception as e:  # noqa: BLE001 - vLLM's error text is the report
         text = str(e)
-        raise InspectionError(_root_line(text) or f"{type(e).__name__}: {text}", text) from None
+        raise InspectionError(root_line(text) or f"{type(e).__name__}: {text}", text) from None
     return _as_dict(info)

@@ -83,7 +83,7 @@ def test_budget_says_what_a_rank_needs(in_child: Any, tmp_path: Any, architectur
     if fits:
         assert isinstance(result, dict), result
         (rank,) = result["memory_per_rank"]
-        assert 0 < rank["weights"] and 0 < rank["activation_peak"] and rank["needs"] < 16 * 2**20
+        assert rank["weights"] > 0 and rank["activation_peak"] > 0 and rank["needs"] < 16 * 2**20
         return
     assert isinstance(result, str), result
     assert result.startswith(f"{architecture} at tensor_parallel_size=1: rank 0 needs 32.")

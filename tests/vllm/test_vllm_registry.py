@@ -61,8 +61,8 @@ def _inspect_both(workdir: str, architectures: list[str]) -> dict[str, tuple[dic
 
     os.environ["VLLM_PLUGINS"] = "clean,class_registered"  # the raising plugin breaks vLLM's subprocess (below)
     redirect_caches(workdir)  # a private, empty modelinfos cache: the subprocess really runs
-    return {a: (run_inspect(_ctx(workdir, a, "inspect"), "fork"), run_inspect(_ctx(workdir, a, "inspect"), "subprocess"))
-            for a in architectures}
+    return {a: (run_inspect(_ctx(workdir, a, "inspect"), "fork"),
+                run_inspect(_ctx(workdir, a, "inspect"), "subprocess")) for a in architectures}
 
 
 def test_fork_inspection_equals_vllms_subprocess(in_child: Any, tmp_path: Any) -> None:
