@@ -41,6 +41,8 @@ HELP = {
     "device_memory": "predict the fit of each architecture's full-size config on a device of this size, e.g. 80GiB",
     "quant": f"comma-separated quantization methods for the quant check, one item per method and TP size, e.g. "
              f"quant[fp8,tp=2]: fp8, fbgemm_fp8, int8 (default: {','.join(QUANT_METHODS)})",
+    "trace": "write a Chrome trace-event JSON of every engine start the checks make into this directory (one "
+             "track per rank; open it in https://ui.perfetto.dev or chrome://tracing)",
 }
 
 
@@ -67,6 +69,7 @@ def add_options(parser: pytest.Parser) -> None:
     _add(group, parser, "budget_utilization", metavar="FRACTION")
     _add(group, parser, "budget_max_model_len", metavar="TOKENS")
     _add(group, parser, "quant", metavar="METHODS")
+    _add(group, parser, "trace", metavar="DIR")
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class Settings:
     budget_utilization: float = BUDGET_UTILIZATION
     budget_max_model_len: int = BUDGET_MAX_MODEL_LEN
     quant_methods: tuple[str, ...] = QUANT_METHODS
+    trace_dir: str | None = None  # ENGINE_REF_TRACE_DIR of the check children's engines
 
 
 def _get(config: pytest.Config, dest: str) -> object:
@@ -202,4 +206,6 @@ def resolve_settings(config: pytest.Config) -> Settings:
         budget_max_model_len=int(_number(config, "enginecheck_budget_max_model_len", BUDGET_MAX_MODEL_LEN, int,
                                          "give a positive number of tokens, e.g. 128")),
         quant_methods=_quant_methods(config),
+        trace_dir=(os.path.abspath(str(_get(config, "enginecheck_trace")))
+                   if _get(config, "enginecheck_trace") else None),
     )

@@ -55,6 +55,9 @@ class EngineCheckSession:
         from pytest_enginecheck.targets import TARGET_PRELOAD
 
         add_preload_modules(*CHILD_MODULES, *TARGET_PRELOAD.get(settings.target, ()))
+        if settings.trace_dir:  # the check children inherit it: each engine start writes its trace there
+            os.makedirs(settings.trace_dir, exist_ok=True)
+            os.environ["ENGINE_REF_TRACE_DIR"] = settings.trace_dir
         self.config = config
         self.settings = settings
         self.results: list[dict[str, Any]] = []
@@ -118,8 +121,18 @@ class EngineCheckSession:
                              strict=s.strict, device_memory=s.device_memory, timeout=s.timeout,
                              budget_memory=s.budget_memory, budget_utilization=s.budget_utilization,
                              budget_max_model_len=s.budget_max_model_len, quantization=method)
-                for check in checks for method in (s.quant_methods if check == "quant" else (None,))
+                for check in checks if check != "plugins"
+                for method in (s.quant_methods if check == "quant" else (None,))
                 for tp in (s.tp_sizes if check in TP_CHECKS else (1,))]
+
+    def plugin_contexts(self, description: TargetDescription) -> dict[str, list[CheckContext]]:
+        """The plugins check: one item per general-plugin entry point, ``enginecheck::plugin:<name>::plugins``."""
+        s = self.settings
+        return {f"plugin:{name}": [CheckContext(check="plugins", spec=s.target, architecture=f"plugin:{name}",
+                                                module=value.split(":")[0], class_name=distribution,
+                                                workdir=self.workdir, strict=s.strict, timeout=s.timeout,
+                                                plugin=name)]
+                for name, value, distribution in description.plugins}
 
     def settings_line(self) -> str:
         """What this run checks and with which limits, in one line (as pytest-timeout prints its settings)."""
@@ -147,6 +160,8 @@ class EngineCheckSession:
         description = self.description  # now at the latest: a bad target is a usage error, not a collection error
         checks = self.select_checks(description)
         contexts = {entry.architecture: self.contexts(entry, checks) for entry in description.entries}
+        if "plugins" in checks:
+            contexts = {**self.plugin_contexts(description), **contexts}
         collector = EngineCheckCollector.from_parent(session, name="enginecheck", nodeid="enginecheck",
                                                      contexts=contexts)
         items.extend(session.genitems(collector))

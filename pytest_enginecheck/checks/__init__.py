@@ -11,16 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-CHECKS = ("import", "inspect", "load", "budget", "startup", "quant")
+CHECKS = ("plugins", "import", "inspect", "load", "budget", "startup", "lora", "quant")
 CHECK_MODULES = {
+    "plugins": "pytest_enginecheck.checks.plugins_check",
     "import": "pytest_enginecheck.checks.import_check",
     "inspect": "pytest_enginecheck.checks.inspect_check",
     "load": "pytest_enginecheck.checks.load_check",
     "budget": "pytest_enginecheck.checks.budget_check",
     "startup": "pytest_enginecheck.checks.startup_check",
+    "lora": "pytest_enginecheck.checks.lora_check",
     "quant": "pytest_enginecheck.checks.quant_check",
 }
-TP_CHECKS = ("load", "budget", "quant")  # one item per TP size (quant: per method and TP size)
+TP_CHECKS = ("load", "budget", "lora", "quant")  # one item per TP size (quant: per method and TP size)
 # One root cause, one failure: every check of an architecture imports its module (the root: the import
 # item), and these also build and start it (the root: the load[tp=1] item).
 BUILD_CHECKS = ("load", "budget", "startup", "lora", "quant")
@@ -45,6 +47,7 @@ class CheckContext:
     budget_memory: str = "512MiB"  # the budget check's tiny engine: device size, utilisation, max_model_len
     budget_utilization: float = 0.9
     budget_max_model_len: int = 128
+    plugin: str = ""  # the plugins check: the entry point's name (``module`` is its module)
     quantization: str | None = None  # the quant check: the method (``--enginecheck-quant``)
 
 
@@ -60,7 +63,7 @@ def item_name(ctx: CheckContext) -> str:
 def roots(ctx: CheckContext) -> tuple[str, ...]:
     """The item names (of the same architecture) whose failure causes this item's, in the order to blame them."""
     name = item_name(ctx)
-    found = () if ctx.check == "import" else ("import",)
+    found = () if ctx.check in ("import", "plugins") else ("import",)
     if ctx.check not in BUILD_CHECKS or name == BUILD_ROOT:
         return found
     tp = ctx.tp if ctx.check in TP_CHECKS else max(ctx.tp_sizes)  # startup runs at the largest TP size

@@ -24,11 +24,13 @@ from pytest_enginecheck.checks import CHECK_MODULES, CheckContext, CheckFailure,
 def subject(ctx: CheckContext) -> str:
     """What the check was doing, as the start of a sentence."""
     return {
+        "plugins": f"Loading plugin {ctx.plugin!r} ({ctx.module})",
         "import": f"Importing {ctx.module}",
         "inspect": f"Inspecting {ctx.architecture}",
         "load": f"Loading {ctx.architecture} at tensor_parallel_size={ctx.tp}",
         "budget": f"Measuring the memory of {ctx.architecture} at tensor_parallel_size={ctx.tp}",
         "startup": f"Starting and stopping {ctx.architecture}",
+        "lora": f"Running {ctx.architecture} with a LoRA adapter at tensor_parallel_size={ctx.tp}",
         "quant": f"Running {ctx.architecture} quantized with {ctx.quantization} at tensor_parallel_size={ctx.tp}",
     }[ctx.check]
 
