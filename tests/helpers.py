@@ -57,6 +57,18 @@ def gone(pid: int) -> bool:
         return True
 
 
+def alive(pid: int, cmdline_part: str = "") -> bool:
+    """The process runs (not a zombie), with ``cmdline_part`` in its command line if one is given."""
+    import psutil
+
+    if gone(pid):
+        return False
+    try:
+        return cmdline_part in " ".join(psutil.Process(pid).cmdline())
+    except psutil.NoSuchProcess:
+        return False
+
+
 def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
     """The pids still running after ``timeout`` seconds (returns as soon as all are gone)."""
     pids = list(pids)

@@ -297,7 +297,7 @@ def test_compare_with_report_finds_differences_and_refuses_other_arguments(
     assert "rank 0 weights: estimated" in comparison.describe()
     assert compare_with_report(off, report, activation_atol=100).mismatches[0].category == "weights"
     other = estimate_memory(model, **{**TINY, "max_model_len": 128})
-    with pytest.raises(ConfigError, match="max_model_len 128 .estimate. vs 256 .report."):
+    with pytest.raises(ConfigError, match=r"max_model_len 128 \(estimate\) vs 256 \(report\)"):
         compare_with_report(other, report)
 
 
@@ -413,8 +413,8 @@ def llama_3() -> dict[str, Any]:
 
 def test_unknown_architecture(tmp_path: Path) -> None:
     path = write_config(tmp_path, {**llama_3(), "architectures": ["LlamaForCausalLm"]})
-    with pytest.raises(UnknownArchitectureError, match="'LlamaForCausalLm' is not registered. Did you mean "
-                                                       "LlamaForCausalLM"):
+    with pytest.raises(UnknownArchitectureError, match=r"'LlamaForCausalLm' is not registered\. Did you mean "
+                                                       r"LlamaForCausalLM"):
         estimate_memory(path, device_memory="80GiB")
 
 
@@ -482,7 +482,7 @@ def test_unreadable_inputs(tmp_path: Path) -> None:
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"broken.json is not valid JSON"):
         estimate_memory(tmp_path / "broken.json", device_memory="80GiB")
-    with pytest.raises(ConfigError, match="is neither a config.json file nor a model directory"):
+    with pytest.raises(ConfigError, match=r"is neither a config\.json file nor a model directory"):
         estimate_memory(tmp_path / "nowhere.json", device_memory="80GiB")
 
 

@@ -7,6 +7,7 @@ Every wait is bounded; the fault tests assert how fast the failure surfaced.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
@@ -223,7 +224,7 @@ def test_a_rank_raising_in_a_collective_kills_the_engine_after_a_grace(faulty: C
     monkeypatch.setattr(MultiprocExecutor, "rpc_error_grace_s", 1.0)
     timeouts = {"rpc_timeout_s": 120.0, "collective_timeout_s": 120.0}
     start = time.monotonic()
-    with pytest.raises(WorkerError, match="determine_available_memory failed on rank 1: .*InjectedFault") as info:
+    with pytest.raises(WorkerError, match=r"determine_available_memory failed on rank 1: .*InjectedFault") as info:
         LLM(str(faulty("raise", "forward")), tensor_parallel_size=2, **SMALL_ENGINE, **timeouts)
     assert time.monotonic() - start < 120 / 2, "the grace ended it, not the RPC or collective timeout"
     assert info.value.rank == 1 and "_maybe_fail" in info.value.remote_traceback
@@ -487,11 +488,9 @@ def test_workers_stop_at_interpreter_exit(llama: Path, script_dir: Path,
 def _listening_ports(processes: list[psutil.Process]) -> set[tuple[int, int]]:
     ports = set()
     for proc in processes:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             ports |= {(proc.pid, c.laddr.port) for c in proc.net_connections(kind="inet")
                       if c.status == psutil.CONN_LISTEN}
-        except psutil.NoSuchProcess:
-            pass
     return ports
 
 

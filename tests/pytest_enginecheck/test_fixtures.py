@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import alive
+
 USER_TESTS = '''
 import os
 import signal
@@ -193,15 +195,6 @@ def sections(output: str) -> dict[str, str]:
         elif title is not None:
             found[title] += line + "\n"
     return found
-
-
-def alive(pid: int) -> bool:
-    """Whether a process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture

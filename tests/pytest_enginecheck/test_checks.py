@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 from pytest_enginecheck.report import summary_mode, summary_table
+from tests.helpers import alive
 
-ZOO = Path(__file__).parent / "plugin_zoo"
+ZOO = Path(__file__).parents[1] / "plugin_zoo"
 MODELS: dict[str, str] = runpy.run_path(str(ZOO / "zoo" / "__init__.py"))["MODELS"]
 CHECKS = "--enginecheck-checks=import,inspect,load,startup"  # the bundled zoo's, budget aside
 TIMEOUT = 4  # --enginecheck-timeout of the broken zoo runs: the hanging module costs this, twice
@@ -91,18 +92,6 @@ def run_enginecheck(pytester: pytest.Pytester, *args: str, name: str = "report")
 def glob(text: str) -> str:
     """``text`` as an fnmatch pattern whose ``[`` are literal (``*`` stays a wildcard)."""
     return text.replace("[", "[[]")
-
-
-def alive(pid: int, cmdline_part: str) -> bool:
-    """Whether process ``pid`` still runs (not a zombie) with ``cmdline_part`` in its command line."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                return False
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return cmdline_part in f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return False
 
 
 def section(output: str, title: str) -> str:

@@ -13,7 +13,7 @@ import pytest
 
 from pytest_enginecheck.checks import CHECKS, TP_CHECKS
 
-ZOO = Path(__file__).parent / "plugin_zoo"
+ZOO = Path(__file__).parents[1] / "plugin_zoo"
 
 
 @pytest.fixture
