@@ -21,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "engine_ref/model_executor/models/configs/Mixtral-8x7B-v0.1.json"
+DEFAULT_CONFIG = (Path(__file__).resolve().parent.parent
+                  / "engine_ref/model_executor/models/configs/Mixtral-8x7B-v0.1.json")
 
 
 def peak_rss_bytes() -> int:

@@ -26,7 +26,6 @@ def main() -> None:
     from engine_ref.model_executor.models.registry import ModelRegistry
     from pytest_enginecheck.checks import CheckContext
     from pytest_enginecheck.checks.runner import run_check
-
     from pytest_enginecheck.session import CHILD_MODULES
 
     entries = list(ModelRegistry.models.items())

@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine_ref import envs
 from engine_ref.errors import ConfigError, MissingConfigField
@@ -145,20 +145,25 @@ def _seconds(name: str, value: Any, from_env: Callable[[], float | None], defaul
     return float(value)
 
 
-@dataclass
+@dataclass(init=False)
 class ModelConfig:
     """Which model to run: a Hugging Face layout directory, its dtype and context length, and its
-    weight quantization (the method asked for; once EngineArgs resolved it, the method in use)."""
+    weight quantization (the method asked for; once EngineArgs resolved it, the method in use).
+
+    ``max_model_len=None`` means config.json's max_position_embeddings; once built, it is always set.
+    """
 
     model: str
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    quantization: str | None = None
-    hf_config: HFConfig = field(init=False, repr=False)
-    architecture: str = field(init=False)
+    dtype: str
+    max_model_len: int
+    seed: int
+    quantization: str | None
+    hf_config: HFConfig = field(repr=False)
+    architecture: str
 
-    def __post_init__(self) -> None:
+    def __init__(self, model: str, dtype: str = "auto", max_model_len: int | None = None, seed: int = 0,
+                 quantization: str | None = None) -> None:
+        self.model, self.dtype, self.seed, self.quantization = model, dtype, seed, quantization
         path = Path(self.model)
         if not path.is_dir():
             raise ConfigError(
@@ -192,13 +197,14 @@ class ModelConfig:
         max_position = text.get("max_position_embeddings")
         if max_position is not None:
             _positive_int(f"{config_path}: max_position_embeddings", max_position, MAX_TOKENS_LIMIT)
-        if self.max_model_len is None:
+        if max_model_len is None:
             if max_position is None:
                 raise ConfigError(
                     f"{config_path} has no max_position_embeddings; pass max_model_len explicitly."
                 )
-            self.max_model_len = max_position
-        _positive_int("max_model_len", self.max_model_len, MAX_TOKENS_LIMIT)
+            max_model_len = max_position
+        _positive_int("max_model_len", max_model_len, MAX_TOKENS_LIMIT)
+        self.max_model_len = max_model_len
         if max_position is not None and self.max_model_len > max_position:
             raise ConfigError(
                 f"max_model_len={self.max_model_len} exceeds max_position_embeddings={max_position} of "
@@ -249,34 +255,42 @@ class ModelConfig:
         return self.hf_text_config.num_hidden_layers
 
 
-@dataclass
+@dataclass(init=False)
 class ParallelConfig:
-    """How the model is split: tensor parallel size and the executor that runs the ranks."""
+    """How the model is split: tensor parallel size and the executor that runs the ranks.
 
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    ready_timeout_s: float | None = None  # workers' startup, and the rendezvous of the process group
-    rpc_timeout_s: float | None = None  # each call to the workers after startup (a generate step)
-    collective_timeout_s: float | None = None  # each collective of the TP group (gloo/nccl)
+    Left as None, the backend becomes 'uni' for one rank and 'mp' for more, and each timeout its
+    ENGINE_REF_* environment variable, else 300 s; once built, all are set.
+    """
 
-    def __post_init__(self) -> None:
-        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        if self.distributed_executor_backend is None:
-            self.distributed_executor_backend = "uni" if self.tensor_parallel_size == 1 else "mp"
-        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+    tensor_parallel_size: int
+    distributed_executor_backend: str
+    ready_timeout_s: float  # workers' startup, and the rendezvous of the process group
+    rpc_timeout_s: float  # each call to the workers after startup (a generate step)
+    collective_timeout_s: float  # each collective of the TP group (gloo/nccl)
+
+    def __init__(self, tensor_parallel_size: int = 1, distributed_executor_backend: str | None = None,
+                 ready_timeout_s: float | None = None, rpc_timeout_s: float | None = None,
+                 collective_timeout_s: float | None = None) -> None:
+        _positive_int("tensor_parallel_size", tensor_parallel_size)
+        self.tensor_parallel_size = tensor_parallel_size
+        if distributed_executor_backend is None:
+            distributed_executor_backend = "uni" if tensor_parallel_size == 1 else "mp"
+        if distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ConfigError(
-                f"distributed_executor_backend={self.distributed_executor_backend!r} is unknown; "
+                f"distributed_executor_backend={distributed_executor_backend!r} is unknown; "
                 f"use one of {', '.join(EXECUTOR_BACKENDS)}."
             )
-        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+        if distributed_executor_backend == "uni" and tensor_parallel_size > 1:
             raise ConfigError(
                 f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size="
-                f"{self.tensor_parallel_size}; use 'mp' or 'ray', or tensor_parallel_size=1."
+                f"{tensor_parallel_size}; use 'mp' or 'ray', or tensor_parallel_size=1."
             )
-        self.ready_timeout_s = _seconds("ready_timeout_s", self.ready_timeout_s, envs.ready_timeout_s,
+        self.distributed_executor_backend = distributed_executor_backend
+        self.ready_timeout_s = _seconds("ready_timeout_s", ready_timeout_s, envs.ready_timeout_s,
                                         DEFAULT_READY_TIMEOUT_S)
-        self.rpc_timeout_s = _seconds("rpc_timeout_s", self.rpc_timeout_s, envs.rpc_timeout_s, DEFAULT_RPC_TIMEOUT_S)
-        self.collective_timeout_s = _seconds("collective_timeout_s", self.collective_timeout_s,
+        self.rpc_timeout_s = _seconds("rpc_timeout_s", rpc_timeout_s, envs.rpc_timeout_s, DEFAULT_RPC_TIMEOUT_S)
+        self.collective_timeout_s = _seconds("collective_timeout_s", collective_timeout_s,
                                              envs.collective_timeout_s, DEFAULT_COLLECTIVE_TIMEOUT_S)
 
     @property
@@ -331,17 +345,29 @@ class DeviceConfig:
             self.capacity_bytes = parse_size(self.device_memory, "device_memory")
 
 
-@dataclass
+@dataclass(init=False)
 class SchedulerConfig:
-    """Batch limits: tokens per step (also the profile run's size) and sequences per step."""
+    """Batch limits: tokens per step (also the profile run's size) and sequences per step.
 
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 64
+    ``max_num_batched_tokens=None`` means ``default_max_num_batched_tokens(max_model_len)``; either way
+    a full-length prompt must fit one step. Once built, it is always set.
+    """
 
-    def __post_init__(self) -> None:
-        if self.max_num_batched_tokens is not None:
-            _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, MAX_TOKENS_LIMIT)
-        _positive_int("max_num_seqs", self.max_num_seqs)
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+    def __init__(self, max_model_len: int, max_num_batched_tokens: int | None = None, max_num_seqs: int = 64) -> None:
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = default_max_num_batched_tokens(max_model_len)
+        _positive_int("max_num_batched_tokens", max_num_batched_tokens, MAX_TOKENS_LIMIT)
+        _positive_int("max_num_seqs", max_num_seqs)
+        if max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens={max_num_batched_tokens} is smaller than max_model_len="
+                f"{max_model_len}, so a full-length prompt could never be scheduled; raise "
+                f"max_num_batched_tokens to at least {max_model_len} or lower max_model_len."
+            )
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
 
 
 @dataclass
@@ -359,17 +385,7 @@ class EngineConfig:
     model_info: ModelInfo | None = None
 
     def __post_init__(self) -> None:
-        model, sched = self.model_config, self.scheduler_config
-        max_model_len = cast(int, model.max_model_len)  # ModelConfig resolved it
-        if sched.max_num_batched_tokens is None:
-            sched.max_num_batched_tokens = default_max_num_batched_tokens(max_model_len)
-        if sched.max_num_batched_tokens < max_model_len:
-            raise ConfigError(
-                f"max_num_batched_tokens={sched.max_num_batched_tokens} is smaller than max_model_len="
-                f"{model.max_model_len}, so a full-length prompt could never be scheduled; raise "
-                f"max_num_batched_tokens to at least {model.max_model_len} or lower max_model_len."
-            )
-        verify_tensor_parallel_size(model, self.parallel_config.tensor_parallel_size)
+        verify_tensor_parallel_size(self.model_config, self.parallel_config.tensor_parallel_size)
         if self.device_config.device == "cuda":
             import torch
 
@@ -400,7 +416,7 @@ class EngineConfig:
         block_bytes = (2 * block_size * max(1, model.num_key_value_heads // tp) * model.head_dim * itemsize
                        * model.num_hidden_layers)
         budget = int(capacity * self.cache_config.gpu_memory_utilization)
-        tokens = cast(int, self.scheduler_config.max_num_batched_tokens)
+        tokens = self.scheduler_config.max_num_batched_tokens
         needs = [
             (cdiv(text.vocab_size, tp) * text.hidden_size * itemsize,
              f"config.json's vocab_size={text.vocab_size} x hidden_size={text.hidden_size} (the embedding, "
@@ -408,7 +424,7 @@ class EngineConfig:
             (tokens * text.hidden_size * itemsize,
              f"max_num_batched_tokens={tokens} (the profile run's batch) x hidden_size={text.hidden_size}",
              "lower max_num_batched_tokens and max_model_len"),
-            (cdiv(cast(int, model.max_model_len), block_size) * block_bytes,
+            (cdiv(model.max_model_len, block_size) * block_bytes,
              f"max_model_len={model.max_model_len} (one request's KV cache)",
              f"lower max_model_len to at most {budget // block_bytes * block_size}"),
         ]

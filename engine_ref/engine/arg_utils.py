@@ -63,11 +63,12 @@ class EngineArgs:
         from engine_ref.model_executor.models.registry import ModelRegistry
 
         registry = registry or ModelRegistry
+        model_config = ModelConfig(
+            model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
+            quantization=self.quantization,
+        )
         config = EngineConfig(
-            model_config=ModelConfig(
-                model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
-                quantization=self.quantization,
-            ),
+            model_config=model_config,
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
@@ -81,7 +82,8 @@ class EngineArgs:
             load_config=LoadConfig(load_format=self.load_format),
             device_config=DeviceConfig(device=self.device, device_memory=self.device_memory),
             scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+                max_model_len=model_config.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
             ),
             lora_config=self._create_lora_config(),
         )

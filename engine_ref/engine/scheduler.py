@@ -118,7 +118,7 @@ class Scheduler:
         """Record each sequence's sampled token; free and return the requests that finished."""
         by_id = {r.request_id: r for r in self.running}
         finished = []
-        for seq, token in zip(output.seqs, sampled):
+        for seq, token in zip(output.seqs, sampled, strict=True):
             request = by_id[seq.request_id]
             request.num_computed_tokens += len(seq.token_ids)
             request.pixel_values = None

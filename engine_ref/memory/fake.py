@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import os
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -94,7 +95,8 @@ class KnownValuesMode(TorchDispatchMode):
         if _is_index_like(fake) and fake.numel() <= MAX_KNOWN_NUMEL:
             self.values[fake] = real
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:  # noqa: ANN001 - torch's protocol
+    def __torch_dispatch__(self, func: OpOverload, types: Sequence[type], args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func in _LIFTS:  # torch.tensor(python data): the real value is the argument
             out = func(*args, **kwargs)

@@ -135,8 +135,8 @@ class FakeEngine:
 
     def __init__(self, config: EngineConfig, label: str, max_num_batched_tokens: int | None) -> None:
         capacity, requested = config.device_config.capacity_bytes, config.model_config.max_model_len
-        if capacity is None or requested is None:
-            raise ValueError("FakeEngine needs a validated EngineConfig: device capacity and max_model_len set")
+        if capacity is None:
+            raise ValueError("FakeEngine needs a validated EngineConfig with the device capacity set")
         self.config, self.label = config, label
         self.capacity, self.requested = capacity, requested
         self.fixed_batch_tokens = max_num_batched_tokens  # None: the engine's default, which follows max_model_len
@@ -174,7 +174,7 @@ class FakeEngine:
             reason=reason,
             max_model_len_estimate=largest,
             max_model_len=requested,
-            max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens or requested,
+            max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
             device_memory_bytes=self.capacity,
             gpu_memory_utilization=cache.gpu_memory_utilization,
             budget_bytes=sizing.budget_bytes[0],
@@ -187,7 +187,7 @@ class FakeEngine:
         if tensor_parallel_size == 1:
             return 0
         model = self.config.model_config
-        tokens = self.config.scheduler_config.max_num_batched_tokens or self.requested
+        tokens = self.config.scheduler_config.max_num_batched_tokens
         return tokens * model.hf_text_config.hidden_size * model.torch_dtype.itemsize
 
     def whole_model(self) -> tuple[int, int, int]:

@@ -9,10 +9,13 @@ and on FakeTensors, which is what lets a meta-device estimate equal a real measu
 
 from __future__ import annotations
 
+import functools
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -30,10 +33,11 @@ class ActivationTracker(TorchDispatchMode):
             if isinstance(tensor, torch.Tensor):
                 self._seen[tensor.untyped_storage()] = None
 
-    def _freed(self, nbytes: int) -> None:
+    def _freed(self, nbytes: int, _storage_ref: weakref.ref) -> None:
         self.current_bytes -= nbytes
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+    def __torch_dispatch__(self, func: OpOverload, types: Sequence[type], args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):
             if not isinstance(tensor, torch.Tensor):
@@ -42,7 +46,7 @@ class ActivationTracker(TorchDispatchMode):
             if storage in self._seen:
                 continue
             nbytes = storage.nbytes()
-            self._seen[storage] = weakref.ref(storage, lambda _, n=nbytes: self._freed(n))
+            self._seen[storage] = weakref.ref(storage, functools.partial(self._freed, nbytes))
             self.current_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         return out

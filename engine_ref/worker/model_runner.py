@@ -5,6 +5,8 @@ With LoRA, each batch first points the LoRA layers at the slots of its sequences
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -13,6 +15,7 @@ from engine_ref.engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine_ref.lora.models import LoRAModelManager
 from engine_ref.memory.accounting import measure_peak
 from engine_ref.model_executor.forward_context import AttentionMetadata, set_forward_context
+from engine_ref.model_executor.models.interfaces import VllmModelForTextGeneration
 
 
 class ModelRunner:
@@ -46,7 +49,7 @@ class ModelRunner:
         with set_forward_context(metadata):
             hidden_states = self.model(input_ids, positions, **kwargs)
         last = torch.tensor(query_start_loc[1:], device=self.device) - 1
-        logits = self.model.compute_logits(hidden_states[last])
+        logits = cast(VllmModelForTextGeneration, self.model).compute_logits(hidden_states[last])
         return logits.argmax(dim=-1).tolist()
 
     @torch.inference_mode()
@@ -62,7 +65,7 @@ class ModelRunner:
         total = self.config.scheduler_config.max_num_batched_tokens
         max_len = self.config.model_config.max_model_len
         lens = [max_len] * (total // max_len)
-        return lens + [total % max_len] if total % max_len else lens
+        return [*lens, total % max_len] if total % max_len else lens
 
     def profile_seqs(self) -> list[ScheduledSequence]:
         """The profile batch; a multimodal model's first sequence carries one (blank) image."""

@@ -59,13 +59,14 @@ class Worker:
                     raise ConfigError("device='cuda' but no CUDA device is visible to this worker; use device='cpu'.")
                 self.device = torch.device("cuda", self.rank % torch.cuda.device_count())
                 torch.cuda.set_device(self.device)
-                capacity = device_config.capacity_bytes or torch.cuda.mem_get_info(self.device)[1]
                 backend = "nccl"
             else:
-                capacity = device_config.capacity_bytes
                 backend = "gloo"
                 if self.world_size > 1:  # ranks share the cores instead of each taking all of them
                     torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+            capacity = device_config.capacity_bytes  # always set on CPU (DeviceConfig's default)
+            if capacity is None:  # CUDA without device_memory: the GPU's own
+                capacity = torch.cuda.mem_get_info(self.device)[1]
             self.memory = MemoryUsage(capacity=capacity)
             if self.world_size > 1 and self.distributed_init_method is None:
                 raise ValueError("a worker of a multi-rank engine needs a distributed_init_method")
@@ -92,6 +93,12 @@ class Worker:
                 self.memory.lora = self.lora_manager.lora_slot_bytes
             self.model_runner = ModelRunner(self.model, self.config, self.device, self.lora_manager)
 
+    def _loaded(self) -> ModelRunner:
+        """The model runner ``load_model`` built (it holds the model); before it, or after shutdown, none."""
+        if self.model_runner is None:
+            raise RuntimeError("the worker has no model: call load_model() first (and not after shutdown)")
+        return self.model_runner
+
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Read an adapter into this rank's CPU cache now (vLLM's add_lora): its errors come before any request
         runs with it."""
@@ -103,7 +110,7 @@ class Worker:
     def determine_available_memory(self) -> int:
         """Run the profile; return the bytes this rank has left for the KV cache (kv_cache/sizing.py)."""
         with self.timer.phase("profile_run"):
-            self.memory.activation_peak = self.model_runner.profile_run()
+            self.memory.activation_peak = self._loaded().profile_run()
         cache = self.config.cache_config
         sizing = size_kv_cache([self.memory], gpu_memory_utilization=cache.gpu_memory_utilization,
                                bytes_per_block=bytes_per_block(self.get_kv_cache_spec()),
@@ -111,7 +118,7 @@ class Worker:
         return sizing.available_bytes[0]
 
     def attention_layers(self) -> dict[str, Attention]:
-        return {name: m for name, m in self.model.named_modules() if isinstance(m, Attention)}
+        return {name: m for name, m in self._loaded().model.named_modules() if isinstance(m, Attention)}
 
     def get_kv_cache_spec(self) -> dict[str, FullAttentionSpec]:
         dtype_bytes = self.config.model_config.torch_dtype.itemsize
@@ -132,7 +139,7 @@ class Worker:
             self.memory.kv_cache = storage_bytes(caches)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> list[int]:
-        return self.model_runner.execute_model(scheduler_output)
+        return self._loaded().execute_model(scheduler_output)
 
     def report(self) -> WorkerReport:
         return WorkerReport(rank=self.rank, pid=os.getpid(), device=str(self.device),

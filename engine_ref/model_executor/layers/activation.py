@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,8 +28,10 @@ class QuickGELU(nn.Module):
 
 def get_act_fn(name: str) -> nn.Module:
     """The activation module for a config.json ``hidden_act`` name."""
-    acts = {"gelu": lambda: nn.GELU(), "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
-            "quick_gelu": QuickGELU, "silu": nn.SiLU, "relu": nn.ReLU}
+    acts: dict[str, Callable[[], nn.Module]] = {
+        "gelu": lambda: nn.GELU(), "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
+        "quick_gelu": QuickGELU, "silu": nn.SiLU, "relu": nn.ReLU,
+    }
     if name not in acts:
         raise ConfigError(f"activation {name!r} is not supported; use one of {', '.join(acts)}.")
     return acts[name]()

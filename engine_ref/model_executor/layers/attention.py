@@ -30,23 +30,27 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_size)
         k = k.view(-1, self.num_kv_heads, self.head_size)
         v = v.view(-1, self.num_kv_heads, self.head_size)
-        cached = self.kv_cache is not None and md.slot_mapping is not None
-        if cached:
-            key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
-            block_size = key_cache.shape[1]
-            key_cache.view(-1, self.num_kv_heads, self.head_size).index_copy_(0, md.slot_mapping, k)
-            value_cache.view(-1, self.num_kv_heads, self.head_size).index_copy_(0, md.slot_mapping, v)
-        outputs = []
-        for i, seq_len in enumerate(md.seq_lens):
-            start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
-            if cached:
-                blocks = md.block_tables[i][: cdiv(seq_len, block_size)]
-                keys = key_cache[blocks].flatten(0, 1)[:seq_len]
-                values = value_cache[blocks].flatten(0, 1)[:seq_len]
-            else:  # the profile run: a prefill with no cache yet
-                keys, values = k[start:end], v[start:end]
-            outputs.append(self._attend(q[start:end], keys, values))
+        starts = md.query_start_loc
+        if self.kv_cache is None or md.slot_mapping is None or md.block_tables is None:
+            # the profile run: a prefill with no cache yet, each sequence attends over its own keys
+            kvs = [(k[starts[i]:starts[i + 1]], v[starts[i]:starts[i + 1]]) for i in range(len(md.seq_lens))]
+        else:
+            kvs = self._cache_step(self.kv_cache, md.slot_mapping, md.block_tables, md.seq_lens, k, v)
+        outputs = [self._attend(q[starts[i]:starts[i + 1]], keys, values) for i, (keys, values) in enumerate(kvs)]
         return torch.cat(outputs).view(-1, self.num_heads * self.head_size)
+
+    def _cache_step(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: list[list[int]],
+                    seq_lens: list[int], k: torch.Tensor, v: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Write this step's keys and values into their slots; return each sequence's first seq_len cached ones."""
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        block_size = key_cache.shape[1]
+        key_cache.view(-1, self.num_kv_heads, self.head_size).index_copy_(0, slot_mapping, k)
+        value_cache.view(-1, self.num_kv_heads, self.head_size).index_copy_(0, slot_mapping, v)
+        kvs = []
+        for table, seq_len in zip(block_tables, seq_lens, strict=True):
+            blocks = table[: cdiv(seq_len, block_size)]
+            kvs.append((key_cache[blocks].flatten(0, 1)[:seq_len], value_cache[blocks].flatten(0, 1)[:seq_len]))
+        return kvs
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[q_len, heads, d]`` over k, v ``[k_len, kv_heads, d]``; the queries are the last q_len positions."""

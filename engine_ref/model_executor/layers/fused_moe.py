@@ -29,7 +29,9 @@ from engine_ref.model_executor.layers.quantization.base_config import (
 from engine_ref.model_executor.model_loader.weight_utils import (
     CheckpointTensor,
     check_shape,
+    checkpoint_shapes,
     copy_into,
+    param_dim,
     set_weight_attrs,
 )
 from engine_ref.utils import divide
@@ -142,14 +144,15 @@ class FusedMoE(nn.Module):
         ]
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: tuple[int, str]) -> None:
-        check_shape(loaded.name, loaded, param.checkpoint_shapes[shard_id])
+        check_shape(loaded.name, loaded, checkpoint_shapes(param)[shard_id])
         expert, which = shard_id
         shard = self.intermediate_size_per_partition
         start = self.tp_rank * shard
         if which == "down":
             target = param.data[expert]
-            if getattr(param, "input_dim", None) is not None:
-                loaded = loaded.narrow(param.input_dim, start, shard)
+            input_dim = param_dim(param, "input_dim")
+            if input_dim is not None:
+                loaded = loaded.narrow(input_dim, start, shard)
         else:
             offset = 0 if which == "gate" else shard
             target = param.data[expert, offset:offset + shard]

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_ref.distributed.parallel_state import get_tp_group
+from engine_ref.errors import WeightLoadError
 from engine_ref.model_executor.layers.quantization.base_config import (
     LinearMethodBase,
     check_checkpoint_dtype,
@@ -32,8 +33,10 @@ from engine_ref.model_executor.model_loader.weight_utils import (
     CheckpointTensor,
     ShardId,
     check_shape,
+    checkpoint_shapes,
     copy_into,
     default_weight_loader,
+    param_dim,
     set_weight_attrs,
 )
 from engine_ref.utils import divide
@@ -109,12 +112,15 @@ class LinearBase(nn.Module):
         return 0, self.output_size, 0
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: ShardId = None) -> None:
-        check_shape(loaded.name, loaded, param.checkpoint_shapes[shard_id])
-        input_dim = getattr(param, "input_dim", None)
+        check_shape(loaded.name, loaded, checkpoint_shapes(param)[shard_id])
+        input_dim, output_dim = param_dim(param, "input_dim"), param_dim(param, "output_dim")
+        if output_dim is None:
+            raise WeightLoadError(f"the parameter for {loaded.name!r} has no output_dim; its create_weights must "
+                                  f"set_weight_attrs(output_dim=...) for the linear layer's weight_loader")
         if input_dim is not None:
             loaded = loaded.narrow(input_dim, self.input_start, param.shape[input_dim])
         offset, size, start = self.output_shard(shard_id)
-        _load_rows(param, loaded, param.output_dim, offset, size, start)
+        _load_rows(param, loaded, output_dim, offset, size, start)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)

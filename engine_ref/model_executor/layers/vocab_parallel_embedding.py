@@ -14,6 +14,7 @@ from engine_ref.distributed.parallel_state import get_tp_group
 from engine_ref.model_executor.model_loader.weight_utils import (
     CheckpointTensor,
     check_shape,
+    checkpoint_shapes,
     copy_into,
     set_weight_attrs,
 )
@@ -37,7 +38,7 @@ class VocabParallelEmbedding(nn.Module):
                          checkpoint_shapes={None: (num_embeddings, embedding_dim)})
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
-        check_shape(loaded.name, loaded, param.checkpoint_shapes[None])
+        check_shape(loaded.name, loaded, checkpoint_shapes(param)[None])
         rows = max(0, self.vocab_end_index - self.vocab_start_index)
         if rows:
             copy_into(param.data[:rows], loaded.narrow(0, self.vocab_start_index, rows).load(), loaded.name)

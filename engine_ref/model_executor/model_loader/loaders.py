@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -33,6 +34,7 @@ from engine_ref.model_executor.model_loader.weight_utils import (
     checkpoint_shapes,
     missing_tensors_error,
 )
+from engine_ref.model_executor.models.interfaces import VllmModel
 from engine_ref.model_executor.models.registry import RegisteredModel
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -100,7 +102,7 @@ class DefaultModelLoader(BaseModelLoader):
             weights = self._pt_weights(model_dir)
         else:
             weights = self._safetensors_weights(model_dir)
-        loaded = model.load_weights(weights)
+        loaded = cast(VllmModel, model).load_weights(weights)  # ModelInfo checked the class has it
         not_loaded = [name for name, _ in model.named_parameters() if name not in loaded]
         if not_loaded:  # the model's own load_weights skipped parameters
             mapper = getattr(model, "weights_mapper", None)
@@ -125,7 +127,7 @@ class DefaultModelLoader(BaseModelLoader):
                     f"Re-download or regenerate the checkpoint."
                 ) from None
             with handle as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 - a safetensors handle has keys(), not __iter__
                     tensor_slice = f.get_slice(name)
                     if tensor_slice.get_dtype() == "F64":
                         raise _float64_error(name, path)

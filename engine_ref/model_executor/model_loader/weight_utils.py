@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -118,7 +118,14 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: CheckpointTensor) 
 
 
 def checkpoint_shapes(param: nn.Parameter) -> dict[ShardId, tuple[int, ...]]:
+    """``param``'s ``checkpoint_shapes``; an unsharded parameter without one is its own shape."""
     return getattr(param, "checkpoint_shapes", None) or {None: tuple(param.shape)}
+
+
+def param_dim(param: nn.Parameter, name: Literal["output_dim", "input_dim"]) -> int | None:
+    """The dim of ``param`` that ``set_weight_attrs`` marked as split over ranks along the layer's output
+    (``output_dim``) or input (``input_dim``); None where it marked none."""
+    return getattr(param, name, None)
 
 
 @dataclass(frozen=True)
@@ -188,7 +195,7 @@ def load_mapped_weights(model: nn.Module, weights: Iterable[tuple[str, Checkpoin
                 f"unexpected tensor {name!r} in {tensor.origin}: {type(model).__name__} has no parameter "
                 f"for it. The checkpoint belongs to another architecture or config; check config.json."
             )
-        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader: Callable[..., None] = getattr(param, "weight_loader", default_weight_loader)
         if shard_id is None:
             loader(param, tensor)
         else:

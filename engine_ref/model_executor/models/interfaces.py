@@ -6,9 +6,15 @@ registry reads while inspecting the class in a subprocess. This module imports n
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine_ref.model_executor.model_loader.weight_utils import CheckpointTensor
 
 # Full-size published config.json files; a model class names one in ``reference_config`` so memory
 # checks can predict the real model's fit (``engine-ref estimate``, ``--enginecheck-device-memory``).
@@ -19,6 +25,23 @@ def reference_config_path(model_cls: type) -> Path | None:
     """The full-size config.json a model class declares (a file name in REFERENCE_CONFIGS_DIR, or a path)."""
     name = getattr(model_cls, "reference_config", None)
     return None if name is None else REFERENCE_CONFIGS_DIR / name
+
+
+class VllmModel(Protocol):
+    """What the engine calls on every model class beyond nn.Module's own (vLLM's ``VllmModel``);
+    ``ModelInfo.from_model_cls`` refuses a class without it."""
+
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
+        """Load the checkpoint's tensors; return the names of the parameters loaded."""
+        ...
+
+
+class VllmModelForTextGeneration(VllmModel, Protocol):
+    """A model that generates text (``ModelInfo.is_text_generation_model``): it turns hidden states into logits."""
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The vocabulary logits of each hidden state."""
+        ...
 
 
 class SupportsMultiModal:
