@@ -8,6 +8,8 @@ then each sequence attends over its first ``seq_len`` cached tokens.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,26 +33,30 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_size)
         v = v.view(-1, self.num_kv_heads, self.head_size)
         starts = md.query_start_loc
+        kvs: Iterator[tuple[torch.Tensor, torch.Tensor]]
         if self.kv_cache is None or md.slot_mapping is None or md.block_tables is None:
             # the profile run: a prefill with no cache yet, each sequence attends over its own keys
-            kvs = [(k[starts[i]:starts[i + 1]], v[starts[i]:starts[i + 1]]) for i in range(len(md.seq_lens))]
+            kvs = ((k[starts[i]:starts[i + 1]], v[starts[i]:starts[i + 1]]) for i in range(len(md.seq_lens)))
         else:
-            kvs = self._cache_step(self.kv_cache, md.slot_mapping, md.block_tables, md.seq_lens, k, v)
+            self._write_cache(self.kv_cache, md.slot_mapping, k, v)
+            kvs = self._read_cache(self.kv_cache, md.block_tables, md.seq_lens)
         outputs = [self._attend(q[starts[i]:starts[i + 1]], keys, values) for i, (keys, values) in enumerate(kvs)]
         return torch.cat(outputs).view(-1, self.num_heads * self.head_size)
 
-    def _cache_step(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: list[list[int]],
-                    seq_lens: list[int], k: torch.Tensor, v: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Write this step's keys and values into their slots; return each sequence's first seq_len cached ones."""
+    def _write_cache(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                     ) -> None:
+        """Write this step's keys and values into their slots."""
+        kv_cache[0].view(-1, self.num_kv_heads, self.head_size).index_copy_(0, slot_mapping, k)
+        kv_cache[1].view(-1, self.num_kv_heads, self.head_size).index_copy_(0, slot_mapping, v)
+
+    def _read_cache(self, kv_cache: torch.Tensor, block_tables: list[list[int]], seq_lens: list[int]
+                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Each sequence's first seq_len cached keys and values, gathered one sequence at a time."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         block_size = key_cache.shape[1]
-        key_cache.view(-1, self.num_kv_heads, self.head_size).index_copy_(0, slot_mapping, k)
-        value_cache.view(-1, self.num_kv_heads, self.head_size).index_copy_(0, slot_mapping, v)
-        kvs = []
         for table, seq_len in zip(block_tables, seq_lens, strict=True):
             blocks = table[: cdiv(seq_len, block_size)]
-            kvs.append((key_cache[blocks].flatten(0, 1)[:seq_len], value_cache[blocks].flatten(0, 1)[:seq_len]))
-        return kvs
+            yield key_cache[blocks].flatten(0, 1)[:seq_len], value_cache[blocks].flatten(0, 1)[:seq_len]
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[q_len, heads, d]`` over k, v ``[k_len, kv_heads, d]``; the queries are the last q_len positions."""
