@@ -147,7 +147,7 @@ def check_engine_and_memory(workdir: str) -> None:
     try:
         value = run_isolated(nccl_all_reduce, str(store), timeout=120)
         report("nccl all-reduces on the GPU", value == 3.0, f"one rank, result {value:g}")
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - any failure is this check's FAIL line, and the next check still runs
         report("nccl all-reduces on the GPU", False, f"{type(e).__name__}: {e}")
     model = make_checkpoint("LlamaForCausalLM", Path(workdir) / "llama", dtype="float16", overrides=MODEL_OVERRIDES)
     start = time.perf_counter()
@@ -159,7 +159,7 @@ def check_engine_and_memory(workdir: str) -> None:
         report("the engine starts on cuda at TP=1 (mp worker)",
                worker.device.startswith("cuda") and len(tokens[0]) == 4,
                f"device {worker.device}, pid {worker.pid}, {time.perf_counter() - start:.1f} s, tokens {tokens[0]}")
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - any failure is this check's FAIL line
         report("the engine starts on cuda at TP=1 (mp worker)", False, f"{type(e).__name__}: {e}")
         return
     estimate = estimate_memory(model, tensor_parallel_size=1, **{k: ENGINE[k] for k in (
@@ -175,7 +175,7 @@ def check_engine_and_memory(workdir: str) -> None:
             with LLM(str(model), tensor_parallel_size=2, **ENGINE) as llm:
                 tp2 = llm.generate([[1, 5, 9, 13]], max_tokens=4, ignore_eos=True)
             report("the engine at TP=2 over nccl matches TP=1", tp2 == tokens, f"tokens {tp2[0]} vs {tokens[0]}")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - any failure is this check's FAIL line
             report("the engine at TP=2 over nccl matches TP=1", False, f"{type(e).__name__}: {e}")
 
 

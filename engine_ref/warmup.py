@@ -3,8 +3,8 @@
 It imports torch and engine_ref's engine core, never a model module, and never touches CUDA.
 """
 
-import cloudpickle  # noqa: F401
-import safetensors.torch  # noqa: F401
+import cloudpickle  # noqa: F401 - preloaded for the children, not used here
+import safetensors.torch  # noqa: F401 - preloaded for the children, not used here
 import torch
 import torch._dynamo  # entering a TorchDispatchMode imports it (~1 s): pay it once here
 import torch.distributed
@@ -15,7 +15,7 @@ import engine_ref.model_executor.layers.layernorm
 import engine_ref.model_executor.layers.linear
 import engine_ref.model_executor.layers.rotary_embedding
 import engine_ref.model_executor.layers.vocab_parallel_embedding
-import engine_ref.worker.worker  # noqa: F401
+import engine_ref.worker.worker  # noqa: F401 - preloaded for the children, not used here
 
 if torch.cuda.is_initialized():  # pragma: no cover - a bug in an import above
     raise RuntimeError("engine_ref.warmup initialized CUDA; the warm parent must never do that.")
