@@ -7,12 +7,14 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
 from pytest_enginecheck.checks import CHECKS, TP_CHECKS
 
 SUMMARIES = ("all", "failures", "none")
+INSPECT_MODES = ("fork", "subprocess")
 BUDGET_MEMORY = "512MiB"
 BUDGET_UTILIZATION = 0.9
 BUDGET_MAX_MODEL_LEN = 128
@@ -41,17 +43,20 @@ HELP = {
     "device_memory": "predict the fit of each architecture's full-size config on a device of this size, e.g. 80GiB",
     "quant": f"comma-separated quantization methods for the quant check, one item per method and TP size, e.g. "
              f"quant[fp8,tp=2]: fp8, fbgemm_fp8, int8 (default: {','.join(QUANT_METHODS)})",
+    "inspect": "how the vLLM target's inspect check builds each ModelInfo: 'fork' runs vLLM's own function for it "
+               "in the warm check process (fast), 'subprocess' vLLM's real inspection subprocess, a fresh "
+               "interpreter per architecture (full fidelity, ~15 s each) (default: fork)",
     "trace": "write a Chrome trace-event JSON of every engine start the checks make into this directory (one "
              "track per rank; open it in https://ui.perfetto.dev or chrome://tracing)",
 }
 
 
-def _add(group: pytest.OptionGroup, parser: pytest.Parser, name: str, ini_type: str | None = None,
-         **kwargs: object) -> None:
+def _add(group: pytest.OptionGroup, parser: pytest.Parser, name: str,
+         ini_type: Literal["string", "bool"] = "string", **kwargs: object) -> None:
     flag = "--enginecheck" if name == "enginecheck" else f"--enginecheck-{name.replace('_', '-')}"
     dest = "enginecheck" if name == "enginecheck" else f"enginecheck_{name}"
     group.addoption(flag, dest=dest, help=HELP[name], **kwargs)
-    parser.addini(dest, help=HELP[name], type=ini_type or "string", default=None)
+    parser.addini(dest, help=HELP[name], type=ini_type, default=None)
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -70,6 +75,7 @@ def add_options(parser: pytest.Parser) -> None:
     _add(group, parser, "budget_max_model_len", metavar="TOKENS")
     _add(group, parser, "quant", metavar="METHODS")
     _add(group, parser, "trace", metavar="DIR")
+    _add(group, parser, "inspect", choices=INSPECT_MODES)
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,7 @@ class Settings:
     budget_max_model_len: int = BUDGET_MAX_MODEL_LEN
     quant_methods: tuple[str, ...] = QUANT_METHODS
     trace_dir: str | None = None  # ENGINE_REF_TRACE_DIR of the check children's engines
+    inspect_mode: str = "fork"  # the vLLM target's inspect check: INSPECT_MODES
 
 
 def _get(config: pytest.Config, dest: str) -> object:
@@ -190,6 +197,9 @@ def resolve_settings(config: pytest.Config) -> Settings:
     summary = str(_get(config, "enginecheck_summary") or "") or None
     if summary is not None and summary not in SUMMARIES:
         raise _usage_error(config, "enginecheck_summary", f"choose from {', '.join(SUMMARIES)}")
+    inspect_mode = str(_get(config, "enginecheck_inspect") or "fork")
+    if inspect_mode not in INSPECT_MODES:
+        raise _usage_error(config, "enginecheck_inspect", f"choose from {', '.join(INSPECT_MODES)}")
     return Settings(
         enabled=bool(_get(config, "enginecheck")),
         target=str(_get(config, "enginecheck_target") or "engine_ref"),
@@ -208,4 +218,5 @@ def resolve_settings(config: pytest.Config) -> Settings:
         quant_methods=_quant_methods(config),
         trace_dir=(os.path.abspath(str(_get(config, "enginecheck_trace")))
                    if _get(config, "enginecheck_trace") else None),
+        inspect_mode=inspect_mode,
     )

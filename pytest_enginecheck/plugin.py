@@ -3,6 +3,8 @@ no torch, no engine import, until ``--enginecheck`` or one of the fixtures is us
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import pytest
 
 from pytest_enginecheck.fixtures import CALL_REPORT, engine, isolated, multirank, no_cuda
@@ -48,7 +50,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport,
+                                                                                           pytest.TestReport]:
     """Keep each test's call report, so no_cuda's teardown knows whether the body passed."""
     report = yield
     if report.when == "call":

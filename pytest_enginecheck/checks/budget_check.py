@@ -29,18 +29,18 @@ def _too_big(ctx: CheckContext, shortfalls: list[str], detail: dict[str, Any]) -
         {**detail, "kind": "budget"})
 
 
-def _full_size(ctx: CheckContext, registry: Any) -> dict[str, Any]:
+def _full_size(ctx: CheckContext, registry: Any, device_memory: str) -> dict[str, Any]:
     from engine_ref.memory.estimate import estimate_memory
     from engine_ref.model_executor.models.interfaces import reference_config_path
 
     path = reference_config_path(registry.resolve_model_cls(ctx.architecture))
     if path is None:
         raise CheckSkip(f"{ctx.architecture} declares no reference_config (a full-size config.json), so its fit "
-                        f"on a {ctx.device_memory} device cannot be predicted")
-    estimate = estimate_memory(path, device_memory=ctx.device_memory, tensor_parallel_size=ctx.tp, registry=registry)
+                        f"on a {device_memory} device cannot be predicted")
+    estimate = estimate_memory(path, device_memory=device_memory, tensor_parallel_size=ctx.tp, registry=registry)
     if not estimate.fits:
         raise CheckFailure(
-            f"The full-size {ctx.architecture} ({path.name}) does not fit a {ctx.device_memory} device at "
+            f"The full-size {ctx.architecture} ({path.name}) does not fit a {device_memory} device at "
             f"tensor_parallel_size={ctx.tp}: {estimate.reason}",
             {"kind": "full_size", "config": path.name, "estimate": estimate.to_dict()})
     return {"config": path.name, "estimate": estimate.to_dict()}
@@ -84,5 +84,5 @@ def run(ctx: CheckContext) -> dict[str, Any]:
             f"The meta-device estimate of {ctx.architecture} at tensor_parallel_size={ctx.tp} differs from what "
             f"the engine measured: {comparison.describe()}", {**detail, "kind": "estimate_mismatch"})
     if ctx.device_memory:
-        detail["full_size"] = _full_size(ctx, registry)
+        detail["full_size"] = _full_size(ctx, registry, ctx.device_memory)
     return detail
