@@ -52,16 +52,16 @@ class EngineCheckSession:
 
     def __init__(self, config: pytest.Config, settings: Settings) -> None:
         from engine_ref.isolation import add_preload_modules
-        from pytest_enginecheck.targets import TARGET_PRELOAD
+        from pytest_enginecheck.targets import warm_parent_modules
 
-        add_preload_modules(*CHILD_MODULES, *TARGET_PRELOAD.get(settings.target, ()))
+        self.config = config
+        self.settings = settings
+        self._workdir: str | None = None
+        add_preload_modules(*CHILD_MODULES, *warm_parent_modules(settings.target, self.early_checks()))
         if settings.trace_dir:  # the check children inherit it: each engine start writes its trace there
             os.makedirs(settings.trace_dir, exist_ok=True)
             os.environ["ENGINE_REF_TRACE_DIR"] = settings.trace_dir
-        self.config = config
-        self.settings = settings
         self.results: list[dict[str, Any]] = []
-        self._workdir: str | None = None
         self._description: TargetDescription | None = None
         self.outcomes: dict[str, dict[str, str]] = {}  # arch -> item name -> outcome, known in this process
 
@@ -77,13 +77,25 @@ class EngineCheckSession:
             self._description = pickle.loads(given) if given is not None else self.describe_target()
         return self._description
 
+    def early_checks(self) -> tuple[str, ...]:
+        """The checks selected, known before the target is described where the target allows it (vLLM: without
+        importing it, so a check it cannot run is a usage error at once); its caches go to the session's dir."""
+        if self.settings.target != "vllm":
+            return self.settings.checks or CHECKS
+        from pytest_enginecheck.targets import vllm_checks
+        from pytest_enginecheck.vllm_adapter.env import redirect_caches
+
+        redirect_caches(self.workdir)  # before the warm parent starts: every check child inherits it
+        applicable, missing = vllm_checks()
+        return self._select(applicable, "vllm", missing)
+
     def describe_target(self) -> TargetDescription:
         """The target's architectures, resolved in a child process (the pytest process stays light)."""
         from engine_ref.isolation import run_isolated
         from pytest_enginecheck.targets import TargetError, describe
 
         try:
-            return run_isolated(describe, self.settings.target, timeout=DESCRIBE_TIMEOUT_S,
+            return run_isolated(describe, self.settings.target, self.settings.strict, timeout=DESCRIBE_TIMEOUT_S,
                                 name="enginecheck describe target")
         except TargetError as e:
             raise pytest.UsageError(str(e)) from None
@@ -94,14 +106,21 @@ class EngineCheckSession:
 
     def select_checks(self, description: TargetDescription) -> tuple[str, ...]:
         """The checks to run, in CHECKS order: those asked for, or all that apply to the target."""
-        applicable = description.checks
+        return self._select(description.checks, description.kind, description.missing)
+
+    def _select(self, applicable: tuple[str, ...], kind: str, missing: str) -> tuple[str, ...]:
         if self.settings.checks is None:
             return tuple(c for c in CHECKS if c in applicable)
         refused = [c for c in self.settings.checks if c not in applicable]
         if refused:
-            raise pytest.UsageError(
-                f"--enginecheck-checks: {', '.join(refused)} cannot run on a {description.kind} target "
-                f"(only {', '.join(applicable)}); point --enginecheck-target at an engine_ref ModelRegistry.")
+            from pytest_enginecheck.targets import VLLM_ENGINE_CHECKS
+
+            fix = "; point --enginecheck-target at an engine_ref ModelRegistry"
+            if kind == "vllm":
+                fix = f" here: {missing}" if missing and set(refused) <= set(VLLM_ENGINE_CHECKS) else (
+                    ": lora and quant are checks of engine_ref targets only")
+            raise pytest.UsageError(f"--enginecheck-checks: {', '.join(refused)} cannot run on a {kind} target "
+                                    f"(only {', '.join(applicable)}){fix}.")
         return tuple(c for c in CHECKS if c in self.settings.checks)
 
     @property
@@ -120,7 +139,8 @@ class EngineCheckSession:
                              class_name=entry.class_name, workdir=self.workdir, tp=tp, tp_sizes=s.tp_sizes,
                              strict=s.strict, device_memory=s.device_memory, timeout=s.timeout,
                              budget_memory=s.budget_memory, budget_utilization=s.budget_utilization,
-                             budget_max_model_len=s.budget_max_model_len, quantization=method)
+                             budget_max_model_len=s.budget_max_model_len, quantization=method,
+                             inspect_mode=s.inspect_mode)
                 for check in checks if check != "plugins"
                 for method in (s.quant_methods if check == "quant" else (None,))
                 for tp in (s.tp_sizes if check in TP_CHECKS else (1,))]
@@ -142,7 +162,8 @@ class EngineCheckSession:
                 f"plugin{'s' if plugins != 1 else ''}), checks={','.join(self.select_checks(description))}, "
                 f"tp={','.join(map(str, s.tp_sizes))}, timeout={s.timeout:g}s, budget={s.budget_memory} per rank "
                 f"x {s.budget_utilization:g} utilization at max_model_len={s.budget_max_model_len}, "
-                f"device_memory={s.device_memory or 'not predicted'}")
+                f"device_memory={s.device_memory or 'not predicted'}"
+                + (f"; not offered: {description.missing}" if description.missing else ""))
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
         """The settings line; describing the target here makes a bad target a usage error before collection."""

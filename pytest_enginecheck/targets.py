@@ -3,7 +3,8 @@
 - ``engine_ref``: the bundled zoo (engine_ref's ModelRegistry); every check applies.
 - ``module:attribute``: an engine_ref ``ModelRegistry`` (every check applies), or a mapping of
   architecture -> ``"module:Class"`` (the string form of vLLM's register_model; import and inspect).
-- ``vllm``: vLLM's real registry (import and inspect through vLLM's own ``inspect_model_cls``).
+- ``vllm``: vLLM's real registry with its general plugins loaded (``vllm_adapter``): import, inspect and
+  plugins; load, budget and startup too where the installed vLLM is a CPU build.
 
 A target is resolved *inside* check processes, never in the pytest process: resolving it may
 import the engine (torch, vLLM), and the pytest process stays light.
@@ -12,6 +13,8 @@ import the engine (torch, vLLM), and the pytest process stays light.
 from __future__ import annotations
 
 import importlib
+import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,12 +22,8 @@ from typing import Any
 from pytest_enginecheck.checks import CHECKS
 
 MAPPING_CHECKS = ("import", "inspect")
-# The engine core a target's model modules all import: preloaded once in the warm parent, like
-# torch, so each check imports only the model module itself (vLLM: ~9 s once instead of per check).
-TARGET_PRELOAD = {
-    "vllm": ("vllm.model_executor.models.registry", "vllm.model_executor.models.utils",
-             "vllm.model_executor.layers.linear"),
-}
+VLLM_CHECKS = ("plugins", "import", "inspect")
+VLLM_ENGINE_CHECKS = ("load", "budget", "startup")  # with a CPU build of vLLM
 
 
 class TargetError(Exception):
@@ -49,6 +48,7 @@ class TargetDescription:
     entries: tuple[ArchEntry, ...]
     checks: tuple[str, ...]
     plugins: tuple[tuple[str, str, str], ...] = ()  # the target's general plugins: (name, value, distribution)
+    missing: str = ""  # why some of the target's checks are not offered here ('' when none is missing)
 
 
 def _split(spec: str) -> tuple[str, str]:
@@ -62,19 +62,13 @@ def _split(spec: str) -> tuple[str, str]:
 
 
 def resolve(spec: str) -> tuple[str, Any]:
-    """(kind, object): the engine_ref registry, the mapping, or vLLM's registry the spec names."""
+    """(kind, object): the engine_ref registry or the mapping the spec names (vLLM: see ``describe``)."""
     if spec == "engine_ref":
         from engine_ref.model_executor.models.registry import ModelRegistry
         from engine_ref.plugins import load_general_plugins
 
         load_general_plugins(raise_on_failure=False)  # a failing plugin is the plugins check's to report
         return "engine_ref", ModelRegistry
-    if spec == "vllm":
-        try:
-            from vllm.model_executor.models.registry import ModelRegistry as VllmRegistry
-        except ImportError as e:
-            raise TargetError(f"--enginecheck-target=vllm needs vLLM installed ({e}); pip install vllm.") from None
-        return "vllm", VllmRegistry
     module_name, attribute = _split(spec)
     try:
         module = importlib.import_module(module_name)
@@ -103,16 +97,66 @@ def resolve(spec: str) -> tuple[str, Any]:
     )
 
 
-def describe(spec: str) -> TargetDescription:
-    """Resolve the spec (run this in a check process) and list its architectures."""
+def vllm_checks() -> tuple[tuple[str, ...], str]:
+    """The checks the vLLM target offers here and, when the engine checks are not among them, why (in one
+    sentence that says what to do). Decided without importing vLLM, so a usage error comes at once."""
+    from pytest_enginecheck.vllm_adapter.probe import cpu_backend_missing
+
+    missing = cpu_backend_missing()
+    return (VLLM_CHECKS, missing) if missing else ((*VLLM_CHECKS, *VLLM_ENGINE_CHECKS), "")
+
+
+def warm_parent_modules(spec: str, checks: tuple[str, ...]) -> tuple[str, ...]:
+    """What the warm parent preloads for the target's selected checks (call before the first check child).
+
+    vLLM: ``vllm_adapter.warm``, which imports the preload derived from the target (``vllm_adapter.preload``,
+    cached on disk) under the guard, and vLLM's ``LLM`` when an engine check runs.
+    """
+    if spec != "vllm":
+        return ()
+    from pytest_enginecheck.vllm_adapter.preload import PRELOAD_VARIABLE, preload_modules
+
+    names = preload_modules()
+    if set(checks) & set(VLLM_ENGINE_CHECKS):
+        names.append("vllm.entrypoints.llm")
+    os.environ[PRELOAD_VARIABLE] = ",".join([*names, "pytest_enginecheck.vllm_adapter.checks"])
+    return ("pytest_enginecheck.vllm_adapter.warm",)
+
+
+def _describe_vllm(strict: bool) -> TargetDescription:
+    from pytest_enginecheck.vllm_adapter.env import output_into
+    from pytest_enginecheck.vllm_adapter.plugins import list_plugins
+    from pytest_enginecheck.vllm_adapter.probe import VllmUnavailable
+    from pytest_enginecheck.vllm_adapter.registry import list_architectures
+
+    with tempfile.TemporaryFile() as log:  # vLLM's log lines: shown only when describing fails
+        try:
+            with output_into(log.fileno()):
+                found, plugins = list_architectures(strict=strict), list_plugins()
+        except VllmUnavailable as e:
+            raise TargetError(f"--enginecheck-target=vllm: {e}") from None
+        except Exception as e:  # noqa: BLE001 - told with what vLLM printed
+            log.seek(0)
+            printed = log.read().decode(errors="replace").strip()[-4000:]
+            raise TargetError(f"--enginecheck-target=vllm could not be loaded: {type(e).__name__}: {e}"
+                              + (f"\nIts output:\n{printed}" if printed else "")) from None
+    checks, missing = vllm_checks()
+    return TargetDescription("vllm", "vllm", tuple(ArchEntry(e.architecture, e.module, e.class_name) for e in found),
+                             checks, tuple((p.name, p.value, p.distribution) for p in plugins), missing)
+
+
+def describe(spec: str, strict: bool = False) -> TargetDescription:
+    """Resolve the spec (run this in a check process) and list its architectures.
+
+    vLLM: every registry entry after vLLM's general plugins loaded (each under the guard, honouring
+    VLLM_PLUGINS), class-registered ones included.
+    """
+    if spec == "vllm":
+        return _describe_vllm(strict)
     kind, obj = resolve(spec)
     if kind == "engine_ref":
         entries = tuple(ArchEntry(arch, e.module_name, e.class_name) for arch, e in obj.models.items())
         checks = CHECKS
-    elif kind == "vllm":
-        entries = tuple(ArchEntry(arch, m.module_name, m.class_name) for arch, m in obj.models.items()
-                        if hasattr(m, "module_name"))
-        checks = (*MAPPING_CHECKS, "plugins")
     else:
         entries = tuple(ArchEntry(arch, *value.split(":")) for arch, value in obj.items())
         checks = MAPPING_CHECKS

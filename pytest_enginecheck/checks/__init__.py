@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CHECKS = ("plugins", "import", "inspect", "load", "budget", "startup", "lora", "quant")
+# The vLLM target's checks are ``pytest_enginecheck.vllm_adapter.checks.CHECK_FUNCTIONS`` (plugins: the module here).
 CHECK_MODULES = {
     "plugins": "pytest_enginecheck.checks.plugins_check",
     "import": "pytest_enginecheck.checks.import_check",
@@ -49,6 +50,7 @@ class CheckContext:
     budget_max_model_len: int = 128
     plugin: str = ""  # the plugins check: the entry point's name (``module`` is its module)
     quantization: str | None = None  # the quant check: the method (``--enginecheck-quant``)
+    inspect_mode: str = "fork"  # the vLLM target's inspect check: "fork" or "subprocess" (``--enginecheck-inspect``)
 
 
 def item_name(ctx: CheckContext) -> str:

@@ -19,7 +19,7 @@ from pytest_enginecheck.guard import CudaAccess, CudaGuard, find_holders, guarde
 find_holders(guarded_originals())  # in the warm parent, once: every check's child reuses it
 
 
-def _trim_chain(access: CudaAccess, module: str) -> list[str]:
+def trim_chain(access: CudaAccess, module: str) -> list[str]:
     """The import chain from the registered module down to the offender."""
     chain = access.chain
     return chain[chain.index(module):] if module in chain else chain
@@ -31,7 +31,8 @@ def _user_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(exc))
 
 
-def _import_failure(ctx: CheckContext, exc: BaseException) -> CheckFailure:
+def import_failure(ctx: CheckContext, exc: BaseException) -> CheckFailure:
+    """An import's exception (not CUDA) as what it is: a missing dependency or module, an exit, an error."""
     module = ctx.module
     if isinstance(exc, ModuleNotFoundError) and exc.name and not (module == exc.name or module.startswith(exc.name + ".")):
         return CheckFailure(
@@ -64,13 +65,13 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     accesses = sorted(guard.accesses, key=lambda a: a.kind != "init")
     if accesses:
         access = accesses[0]
-        access.chain = _trim_chain(access, ctx.module)
+        access.chain = trim_chain(access, ctx.module)
         verb = "queried CUDA" if access.kind == "query" else "touched CUDA"
         raise CheckFailure(
             f"Importing {ctx.module} {verb}: it {access.describe()}\n{access.fix_hint}",
             {**access.to_dict(), "kind": "cuda", "access": access.kind})
     if error is not None:
-        raise _import_failure(ctx, error)
+        raise import_failure(ctx, error)
     if not driver_before and libcuda_loaded():
         access = CudaAccess("cuInit", "driver", chain=[ctx.module])
         raise CheckFailure(f"Importing {ctx.module} {access.describe()}\n{access.fix_hint}",

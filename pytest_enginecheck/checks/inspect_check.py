@@ -1,7 +1,7 @@
 """inspect: the target's own inspection path can inspect the architecture in a subprocess.
 
-engine_ref: ``ModelRegistry.inspect_model_cls`` (its subprocess and JSON cache). vLLM: the
-registered model's ``inspect_model_cls`` (vLLM's own subprocess). Errors are surfaced verbatim.
+engine_ref: ``ModelRegistry.inspect_model_cls`` (its subprocess and JSON cache). Errors are surfaced
+verbatim. (The vLLM target's inspect check is ``vllm_adapter.checks.run_inspect``.)
 
 A model that hangs hangs in the inspection's own child, below this check's child: that child is
 given a shorter timeout than the check, so the report shows its stacks (the hung line), not this
@@ -10,7 +10,6 @@ process's wait for it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure
@@ -20,22 +19,11 @@ from pytest_enginecheck.targets import into_global_registry, resolve
 INSPECTION_SHARE = 0.8  # of the check's timeout: the rest reads the child's stacks and reports them
 
 
-def _inspect_vllm(ctx: CheckContext, registry: Any) -> dict[str, Any]:
-    try:
-        info = registry.models[ctx.architecture].inspect_model_cls()
-    except Exception as e:  # noqa: BLE001 - vLLM's own error, verbatim
-        raise CheckFailure(f"vLLM could not inspect {ctx.architecture}:\n{e}", {"kind": "inspection"}) from None
-    return asdict(info) if is_dataclass(info) else {"info": repr(info)}
-
-
 def run(ctx: CheckContext) -> dict[str, Any]:
     from engine_ref.errors import EngineRefError
     from engine_ref.isolation import ProcessTimeoutError
 
-    kind, target = resolve(ctx.spec)
-    if kind == "vllm":
-        return _inspect_vllm(ctx, target)
-    registry = into_global_registry(kind, target)
+    registry = into_global_registry(*resolve(ctx.spec))
     timeout = ctx.timeout * INSPECTION_SHARE
     try:
         info = registry.inspect_model_cls(ctx.architecture, timeout=timeout)

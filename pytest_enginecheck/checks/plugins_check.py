@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure
+from pytest_enginecheck.checks.import_check import trim_chain
 from pytest_enginecheck.guard import CudaAccess, CudaGuard
 
 LOADERS = {"engine_ref": "pytest_enginecheck.checks.plugins_check", "vllm": "pytest_enginecheck.vllm_adapter.plugins"}
@@ -32,8 +33,7 @@ def loader(spec: str) -> Any:
 
 def cuda_failure(what: str, access: CudaAccess, module: str) -> CheckFailure:
     """A guard verdict as the import check words it: the API, file:line, the import chain from ``module`` down."""
-    if module in access.chain:
-        access.chain = access.chain[access.chain.index(module):]
+    access.chain = trim_chain(access, module)
     verb = "queried CUDA" if access.kind == "query" else "touched CUDA"
     return CheckFailure(f"{what} {verb}: it {access.describe()}\n{access.fix_hint}",
                         {**access.to_dict(), "kind": "cuda", "access": access.kind})
@@ -101,33 +101,19 @@ def _entry(ctx: CheckContext, plugins: Any) -> Any:
     return found[0]
 
 
-def _engine_state(plugins: Any, entry: Any) -> tuple[bool, str, str]:
-    if hasattr(plugins, "run_in_engine_state"):
-        return plugins.run_in_engine_state(entry)
-    from pytest_enginecheck.vllm_adapter.probe import probe  # vLLM's loader names it after its subprocess
-
-    ok, output = plugins.run_in_inspection_subprocess(entry)
-    return ok, output, f"vLLM's inspection subprocess ({' '.join(probe().subprocess_command)})"
-
-
 def run(ctx: CheckContext) -> dict[str, Any]:
     plugins = loader(ctx.spec)
-    if ctx.spec == "vllm":
-        from pytest_enginecheck.vllm_adapter.env import redirect_caches
-
-        redirect_caches(ctx.workdir)
     entry = _entry(ctx, plugins)
     who = f"{LABELS[ctx.spec]} plugin {entry.name!r} ({entry.value}) of distribution {entry.distribution}"
     outcome = plugins.run_plugin(entry, strict=ctx.strict)
     if outcome.accesses:
         raise cuda_failure(f"Loading {who}", outcome.accesses[0], entry.module)
     if outcome.error is not None:
-        location = getattr(outcome, "location", None)
         raise CheckFailure(
             f"Loading {who} raised {type(outcome.error).__name__}: {outcome.error}"
-            + (f" at {location}" if location else ""),
+            + (f" at {outcome.location}" if outcome.location else ""),
             {"kind": "plugin_error", "traceback": outcome.traceback})
-    ok, output, state = _engine_state(plugins, entry)
+    ok, output, state = plugins.run_in_engine_state(entry)
     if not ok:
         root = output.strip().splitlines()[-1] if output.strip() else "(no output)"
         raise CheckFailure(f"Loading {who} works here but fails in {state}: {root}",

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import shutil
+import tempfile
 import time
 import traceback
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 from engine_ref.isolation import ProcessCrashedError, ProcessTimeoutError, run_isolated, tail
+from engine_ref.isolation.tempdirs import mkdtemp_beside
 from pytest_enginecheck.checks import CHECK_MODULES, CheckContext, CheckFailure, CheckResult, CheckSkip, item_name
 
 
@@ -53,11 +57,27 @@ def _phases(seconds: float, detail: dict[str, Any]) -> dict[str, float]:
     return {"check": seconds, **{f"engine.{name}": float(s) for name, s in engine.items() if isinstance(s, float)}}
 
 
-def run_in_child(ctx: CheckContext) -> CheckResult:
-    """Run the check here (in its child process): passed with its detail, failed, or skipped."""
+def check_function(ctx: CheckContext) -> Callable[[CheckContext], dict[str, Any]]:
+    """The function that runs ``ctx``'s check: the vLLM target's own (``vllm_adapter.checks``), else the check
+    module's ``run``."""
+    if ctx.spec == "vllm" and ctx.check != "plugins":
+        from pytest_enginecheck.vllm_adapter.checks import CHECK_FUNCTIONS
+
+        return CHECK_FUNCTIONS[ctx.check]
+    return importlib.import_module(CHECK_MODULES[ctx.check]).run
+
+
+def run_in_child(ctx: CheckContext, tmpdir: str | None = None) -> CheckResult:
+    """Run the check here (in its child process): passed with its detail, failed, or skipped.
+
+    ``tmpdir``: this child's private TMPDIR (what libraries leave there at import, which a normal interpreter
+    exit would remove and ``os._exit`` does not, goes with it: ``run_check`` removes it).
+    """
+    if tmpdir is not None:
+        os.environ["TMPDIR"] = tempfile.tempdir = tmpdir
     start = time.perf_counter()
     try:
-        detail = importlib.import_module(CHECK_MODULES[ctx.check]).run(ctx)
+        detail = check_function(ctx)(ctx)
     except CheckSkip as e:
         result = _result(ctx, "skipped", str(e))
     except CheckFailure as e:
@@ -72,8 +92,9 @@ def run_in_child(ctx: CheckContext) -> CheckResult:
 def run_check(ctx: CheckContext) -> CheckResult:
     """Run one check in its own process tree, bounded by ``ctx.timeout``."""
     start = time.perf_counter()
+    private = mkdtemp_beside("check")  # directly in the temp dir: short enough for the Unix sockets made in it
     try:
-        result = run_isolated(run_in_child, ctx, timeout=ctx.timeout,
+        result = run_isolated(run_in_child, ctx, private, timeout=ctx.timeout,
                               name=f"enginecheck {ctx.check} {ctx.architecture}")
     except ProcessTimeoutError as e:
         result = _result(ctx, "failed",
@@ -93,6 +114,8 @@ def run_check(ctx: CheckContext) -> CheckResult:
                              {"kind": "exit", "exit_code": e.exitcode, "output": e.output})
     except Exception as e:  # noqa: BLE001 - the child could not be started or its result not read
         result = _error(ctx, e)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
     duration = time.perf_counter() - start
     # "process": starting the child and reading its answer back, around the check itself (all of it when the
     # child died or hung before answering).

@@ -15,7 +15,7 @@ from pytest_enginecheck.leaks import ResourceSnapshot, wait_for_no_leaks
 from pytest_enginecheck.targets import engine_ref_registry
 
 
-def _watch_only_this_engine(workdir: str) -> None:
+def watch_only_this_engine(workdir: str) -> None:
     """Make what this check process and its workers leave behind findable, and only that.
 
     A private temp dir: the shared one also receives other processes' entries (another xdist
@@ -29,7 +29,7 @@ def _watch_only_this_engine(workdir: str) -> None:
 
 
 def run(ctx: CheckContext) -> dict[str, Any]:
-    _watch_only_this_engine(ctx.workdir)
+    watch_only_this_engine(ctx.workdir)
     ckpt = tiny_checkpoint(ctx, engine_ref_registry(ctx.spec))
     reasons = []
     for tp in sorted(ctx.tp_sizes, reverse=True):

@@ -2,24 +2,25 @@
 
 ``CHECK_FUNCTIONS[check](ctx)`` returns the passing result's detail or raises CheckFailure /
 CheckSkip, the contract of ``pytest_enginecheck.checks``. The child first loads vLLM's general
-plugins under the guard (``registry.list_architectures``), as vLLM's own processes do.
+plugins under the guard (``registry.list_architectures``), as vLLM's own processes do. The plugins
+check is ``checks/plugins_check.py``'s, with ``vllm_adapter.plugins`` as its loader.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
-from pytest_enginecheck.checks.import_check import _import_failure, _trim_chain
-from pytest_enginecheck.guard import CudaAccess
+from pytest_enginecheck.checks.import_check import import_failure
+from pytest_enginecheck.checks.plugins_check import cuda_failure
 from pytest_enginecheck.vllm_adapter import registry
 from pytest_enginecheck.vllm_adapter.checkpoints import NoTinyCheckpoint, tiny_checkpoint
 from pytest_enginecheck.vllm_adapter.engine import EngineRun, EngineStartError, run_engine
 from pytest_enginecheck.vllm_adapter.env import redirect_caches
-from pytest_enginecheck.vllm_adapter.plugins import PluginEntry, run_in_inspection_subprocess, run_plugin
 from pytest_enginecheck.vllm_adapter.probe import probe
 
 DEFAULT_BUDGET = "512MiB"
@@ -34,25 +35,18 @@ def _entry(ctx: CheckContext) -> registry.VllmArch:
     return entries[ctx.architecture]
 
 
-def _cuda_failure(what: str, access: CudaAccess, module: str) -> CheckFailure:
-    access.chain = _trim_chain(access, module)
-    verb = "queried CUDA" if access.kind == "query" else "touched CUDA"
-    return CheckFailure(f"{what} {verb}: it {access.describe()}\n{access.fix_hint}",
-                        {**access.to_dict(), "kind": "cuda", "access": access.kind})
-
-
 def _model_class(ctx: CheckContext, entry: registry.VllmArch) -> type:
     """The architecture's class, imported and looked up under the guard; failures as the import check words them."""
     result = registry.import_model_class(entry, strict=ctx.strict)
     if result.accesses:
-        raise _cuda_failure(f"Importing {entry.module}", result.accesses[0], entry.module)
+        raise cuda_failure(f"Importing {entry.module}", result.accesses[0], entry.module)
     if isinstance(result.error, AttributeError) and entry.module in str(result.error):
         raise CheckFailure(
             f"Module {entry.module} imports cleanly but has no class {entry.class_name!r}, which "
             f"{ctx.architecture} is registered as; fix the registration or define the class.",
             {"kind": "missing_class", "module": entry.module, "class": entry.class_name})
     if result.error is not None:
-        raise _import_failure(ctx, result.error)
+        raise import_failure(ctx, result.error)
     assert result.model_cls is not None
     return result.model_cls
 
@@ -64,43 +58,26 @@ def run_import(ctx: CheckContext) -> dict[str, Any]:
     return {"module": entry.module, "class": entry.class_name, "registered_as": entry.registered_as}
 
 
-def run_inspect(ctx: CheckContext, mode: str = "fork") -> dict[str, Any]:
-    """inspect: vLLM's ModelInfo, built in this warm fork (default) or by vLLM's own subprocess."""
+def run_inspect(ctx: CheckContext) -> dict[str, Any]:
+    """inspect: vLLM's ModelInfo, built in this warm fork (``ctx.inspect_mode`` "fork") or by vLLM's own
+    subprocess ("subprocess"). A failure's first line starts with its cause (CI logs cut FAILED lines)."""
     entry = _entry(ctx)
+    mode = ctx.inspect_mode
     if mode == "subprocess":
         try:
             return registry.inspect_in_subprocess(ctx.architecture)
         except registry.InspectionError as e:
-            raise CheckFailure(f"vLLM could not inspect {ctx.architecture}: {e.cause}\n{e.output}",
+            raise CheckFailure(f"{e.cause} (vLLM's inspection subprocess, inspecting {ctx.architecture})\n{e.output}",
                                {"kind": "inspection", "mode": mode}) from None
     model_cls = _model_class(ctx, entry)
     try:
         info, accesses = registry.inspect_in_fork(model_cls, strict=ctx.strict)
     except Exception as e:  # noqa: BLE001 - the class's own error while vLLM inspects it
-        raise CheckFailure(f"vLLM could not inspect {ctx.architecture}: {type(e).__name__}: {e}",
-                           {"kind": "inspection", "mode": mode}) from None
+        raise CheckFailure(f"{type(e).__name__}: {e} (vLLM inspecting {ctx.architecture})",
+                           {"kind": "inspection", "mode": mode, "traceback": traceback.format_exc()}) from None
     if accesses:
-        raise _cuda_failure(f"Inspecting {ctx.architecture}", accesses[0], entry.module)
+        raise cuda_failure(f"Inspecting {ctx.architecture}", accesses[0], entry.module)
     return info
-
-
-def run_plugin_check(ctx: CheckContext, entry: PluginEntry) -> dict[str, Any]:
-    """plugins: one entry point loads without CUDA and without error, here and in vLLM's inspection subprocess."""
-    redirect_caches(ctx.workdir)
-    who = f"vLLM plugin {entry.name!r} ({entry.value}) of distribution {entry.distribution}"
-    outcome = run_plugin(entry, strict=ctx.strict)
-    if outcome.accesses:
-        raise _cuda_failure(f"Loading {who}", outcome.accesses[0], entry.module)
-    if outcome.error is not None:
-        raise CheckFailure(f"Loading {who} raised {type(outcome.error).__name__}: {outcome.error}",
-                           {"kind": "plugin_error", "traceback": outcome.traceback})
-    ok, output = run_in_inspection_subprocess(entry)
-    if not ok:
-        root = registry.root_line(output)
-        command = " ".join(probe().subprocess_command)
-        raise CheckFailure(f"Loading {who} fails in vLLM's inspection subprocess ({command}): {root}\n{output}",
-                           {"kind": "plugin_subprocess"})
-    return {"entry_point": entry.value, "distribution": entry.distribution}
 
 
 def _checkpoint(ctx: CheckContext) -> str:
@@ -195,14 +172,14 @@ def run_budget(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
 
 def run_startup(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
     """startup: vLLM starts and stops at the largest TP size; no process, fd, temp entry or shm segment is left."""
-    from pytest_enginecheck.checks.startup_check import _watch_only_this_engine
+    from pytest_enginecheck.checks.startup_check import watch_only_this_engine
     from pytest_enginecheck.leaks import ResourceSnapshot, wait_for_no_leaks
 
     ckpt = _checkpoint(ctx)
     tp = max(t for t in (*ctx.tp_sizes, 1) if t == 1 or _fits(ckpt, t))
     # vLLM binds ZeroMQ IPC sockets in (each rank's private dir in) TMPDIR: keep the path short of the
     # 107-byte socket limit by creating the check's private TMPDIR directly in /tmp.
-    _watch_only_this_engine("/tmp" if os.path.isdir("/tmp") else ctx.workdir)
+    watch_only_this_engine("/tmp" if os.path.isdir("/tmp") else ctx.workdir)
     private = os.environ["TMPDIR"]
     try:
         before = ResourceSnapshot.take()

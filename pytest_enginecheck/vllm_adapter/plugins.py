@@ -39,6 +39,7 @@ class PluginOutcome:
     accesses: list[CudaAccess] = field(default_factory=list)
     error: BaseException | None = None
     traceback: str = ""
+    location: str | None = None  # "file:line" of the plugin's own frame that raised
 
     @property
     def ok(self) -> bool:
@@ -62,12 +63,16 @@ def list_plugins() -> list[PluginEntry]:
     return [PluginEntry(ep.name, ep.value, ep.dist.name if ep.dist else "?") for ep in _entry_points()]
 
 
+def _user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
+    """The exception's frames outside importlib, pytest_enginecheck and vLLM's plugin loader."""
+    return [f for f in traceback.extract_tb(exc.__traceback__) if "importlib" not in f.filename
+            and not f.filename.startswith("<frozen") and "pytest_enginecheck" not in f.filename
+            and not f.filename.endswith(os.path.join("vllm", "plugins", "__init__.py"))]
+
+
 def user_traceback(exc: BaseException) -> str:
-    """The exception's frames outside importlib, pytest_enginecheck and vLLM's plugin loader, then the exception."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "importlib" not in f.filename
-              and not f.filename.startswith("<frozen") and "pytest_enginecheck" not in f.filename
-              and not f.filename.endswith(os.path.join("vllm", "plugins", "__init__.py"))]
-    return "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(exc))
+    """The exception's user frames (see ``_user_frames``), then the exception."""
+    return "".join(traceback.format_list(_user_frames(exc))) + "".join(traceback.format_exception_only(exc))
 
 
 def run_plugin(entry: PluginEntry, strict: bool = False) -> PluginOutcome:
@@ -80,6 +85,8 @@ def run_plugin(entry: PluginEntry, strict: bool = False) -> PluginOutcome:
             ep.load()()
         except BaseException as e:  # noqa: BLE001 - reported as the plugin's failure
             outcome.error, outcome.traceback = e, user_traceback(e)
+            frames = _user_frames(e)
+            outcome.location = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
     outcome.accesses = sorted(guard.accesses, key=lambda a: a.kind != "init")
     return outcome
 
@@ -102,20 +109,21 @@ def _registered_architectures() -> list[str]:
     return sorted(ModelRegistry.models)
 
 
-def run_in_inspection_subprocess(entry: PluginEntry) -> tuple[bool, str]:
-    """Load only this plugin in vLLM's inspection subprocess; (succeeded, its stderr or the architectures)."""
+def run_in_engine_state(entry: PluginEntry) -> tuple[bool, str, str]:
+    """Load only this plugin in vLLM's inspection subprocess: (succeeded, its stderr or the architectures,
+    what that state is), the loader interface of ``checks/plugins_check.py``."""
     api = probe()
+    state = f"vLLM's inspection subprocess ({' '.join(api.subprocess_command)})"
     if api.run_in_subprocess is None:
-        return True, "this vLLM has no inspection subprocess (_run_in_subprocess); nothing to check"
+        return True, "this vLLM has no inspection subprocess (_run_in_subprocess); nothing to check", state
     saved = os.environ.get("VLLM_PLUGINS")
     os.environ["VLLM_PLUGINS"] = entry.name
     try:
-        return True, ", ".join(api.run_in_subprocess(_registered_architectures))
+        return True, ", ".join(api.run_in_subprocess(_registered_architectures)), state
     except Exception as e:  # noqa: BLE001 - the subprocess's stderr is the report
-        return False, str(e)
+        return False, str(e), state
     finally:
         if saved is None:
             os.environ.pop("VLLM_PLUGINS")
         else:
             os.environ["VLLM_PLUGINS"] = saved
-

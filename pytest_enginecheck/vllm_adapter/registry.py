@@ -16,8 +16,6 @@ from pytest_enginecheck.guard import CudaAccess, CudaGuard
 from pytest_enginecheck.vllm_adapter.plugins import load_plugins
 from pytest_enginecheck.vllm_adapter.probe import probe
 
-INSPECT_MODES = ("fork", "subprocess")
-
 
 @dataclass(frozen=True)
 class VllmArch:
