@@ -23,9 +23,6 @@ from pytest_enginecheck.vllm_adapter.engine import EngineRun, EngineStartError, 
 from pytest_enginecheck.vllm_adapter.env import redirect_caches
 from pytest_enginecheck.vllm_adapter.probe import probe
 
-DEFAULT_BUDGET = "512MiB"
-
-
 def _entry(ctx: CheckContext) -> registry.VllmArch:
     redirect_caches(ctx.workdir)
     entries = {e.architecture: e for e in registry.list_architectures(strict=ctx.strict)}
@@ -156,7 +153,7 @@ def run_budget(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
 
     ckpt = _checkpoint(ctx)
     _verify_tp(ckpt, ctx.tp)
-    budget = ctx.device_memory or DEFAULT_BUDGET
+    budget = ctx.budget_memory  # --enginecheck-budget-memory: each rank's device size
     run = _shared_run(ctx, ckpt, ctx.tp, mode)
     limit = parse_size(budget)
     over = [m for m in run.memory if m["needs"] > limit]

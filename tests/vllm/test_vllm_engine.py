@@ -46,12 +46,12 @@ def test_tiny_checkpoints_of_the_text_families(in_child: Any, tmp_path: Any) -> 
                               "checkpoints so far")
 
 
-def _ctx(workdir: str, architecture: str, check: str, tp: int = 1, budget: str | None = None) -> CheckContext:
+def _ctx(workdir: str, architecture: str, check: str, tp: int = 1, budget: str = "512MiB") -> CheckContext:
     return CheckContext(check=check, spec="vllm", architecture=architecture, module="", class_name="",
-                        workdir=workdir, tp=tp, device_memory=budget, timeout=300.0)
+                        workdir=workdir, tp=tp, budget_memory=budget, timeout=300.0)
 
 
-def _check(name: str, workdir: str, architecture: str, tp: int = 1, budget: str | None = None) -> Any:
+def _check(name: str, workdir: str, architecture: str, tp: int = 1, budget: str = "512MiB") -> Any:
     import os
 
     from pytest_enginecheck.vllm_adapter.checks import CHECK_FUNCTIONS

@@ -11,9 +11,9 @@ from pytest_enginecheck.checks import CheckContext, CheckFailure
 from tests.vllm.plugin_dist import CUDA_PKG_DIST, DIST, ENTRY_POINTS
 
 
-def _ctx(workdir: str, strict: bool = False) -> CheckContext:
-    return CheckContext(check="plugins", spec="vllm", architecture="", module="", class_name="", workdir=workdir,
-                        strict=strict)
+def _ctx(workdir: str, name: str, module: str, strict: bool = False) -> CheckContext:
+    return CheckContext(check="plugins", spec="vllm", architecture=f"plugin:{name}", module=module, class_name="",
+                        workdir=workdir, strict=strict, plugin=name)
 
 
 def _list() -> list[Any]:
@@ -24,12 +24,12 @@ def _list() -> list[Any]:
 
 def _check(name: str, workdir: str, strict: bool) -> str:
     """The plugins check of one entry point: "passed" or the failure message."""
-    from pytest_enginecheck.vllm_adapter.checks import run_plugin_check
+    from pytest_enginecheck.checks.plugins_check import run
     from pytest_enginecheck.vllm_adapter.plugins import list_plugins
 
     (entry,) = [e for e in list_plugins() if e.name == name]
     try:
-        run_plugin_check(_ctx(workdir, strict), entry)
+        run(_ctx(workdir, name, entry.module, strict))
     except CheckFailure as e:
         return e.message
     return "passed"
@@ -58,7 +58,8 @@ def test_clean_plugin_passes(in_child: Any, tmp_path: Any) -> None:
 def test_raising_plugin_fails_naming_distribution_entry_point_and_line(in_child: Any, tmp_path: Any) -> None:
     message = in_child(_check, "raising", str(tmp_path), False)
     assert f"vLLM plugin 'raising' (ectp.entry:register_raising) of distribution {DIST}" in message
-    assert "RuntimeError: ectp: the raising plugin cannot find its configuration" in message
+    assert "RuntimeError: ectp: the raising plugin cannot find its configuration at " in message
+    assert message.endswith("ectp/entry.py:22")
 
 
 @pytest.mark.parametrize("strict", [True, False])

@@ -10,9 +10,10 @@ import pytest
 from pytest_enginecheck.checks import CheckContext, CheckFailure
 
 
-def _ctx(workdir: str, architecture: str, check: str = "import", strict: bool = False) -> CheckContext:
+def _ctx(workdir: str, architecture: str, check: str = "import", strict: bool = False,
+         inspect_mode: str = "fork") -> CheckContext:
     return CheckContext(check=check, spec="vllm", architecture=architecture, module="", class_name="",
-                        workdir=workdir, strict=strict)
+                        workdir=workdir, strict=strict, inspect_mode=inspect_mode)
 
 
 def _entries() -> dict[str, Any]:
@@ -61,8 +62,8 @@ def _inspect_both(workdir: str, architectures: list[str]) -> dict[str, tuple[dic
 
     os.environ["VLLM_PLUGINS"] = "clean,class_registered"  # the raising plugin breaks vLLM's subprocess (below)
     redirect_caches(workdir)  # a private, empty modelinfos cache: the subprocess really runs
-    return {a: (run_inspect(_ctx(workdir, a, "inspect"), "fork"),
-                run_inspect(_ctx(workdir, a, "inspect"), "subprocess")) for a in architectures}
+    return {a: (run_inspect(_ctx(workdir, a, "inspect")),
+                run_inspect(_ctx(workdir, a, "inspect", inspect_mode="subprocess"))) for a in architectures}
 
 
 def test_fork_inspection_equals_vllms_subprocess(in_child: Any, tmp_path: Any) -> None:
@@ -78,7 +79,7 @@ def _inspect_subprocess(workdir: str, architecture: str) -> str:
     from pytest_enginecheck.vllm_adapter.checks import run_inspect
 
     try:
-        return str(run_inspect(_ctx(workdir, architecture, "inspect"), "subprocess"))
+        return str(run_inspect(_ctx(workdir, architecture, "inspect", inspect_mode="subprocess")))
     except CheckFailure as e:
         return e.message
 
@@ -87,6 +88,6 @@ def test_a_raising_plugin_breaks_vllms_own_inspection_of_in_tree_models(in_child
     # vLLM's inspection subprocess runs every plugin first, unguarded: one broken plugin fails them all.
     message = in_child(_inspect_subprocess, str(tmp_path), "Qwen2ForCausalLM")
     first_line = message.splitlines()[0]
-    assert first_line == ("vLLM could not inspect Qwen2ForCausalLM: RuntimeError: ectp: the raising plugin cannot "
-                          "find its configuration")
+    assert first_line == ("RuntimeError: ectp: the raising plugin cannot find its configuration (vLLM's inspection "
+                          "subprocess, inspecting Qwen2ForCausalLM)")
     assert 'ectp/entry.py", line 22, in register_raising' in message
