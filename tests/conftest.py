@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,15 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         return made[key]
 
     return make
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A private temp dir with a short path, for a TMPDIR: multiprocessing's forkserver binds a Unix
+    socket under TMPDIR (at most 107 bytes), and pytest's tmp_path under xdist is too deep for it."""
+    path = Path(tempfile.mkdtemp(prefix="ec-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -199,11 +199,11 @@ def sections(output: str) -> dict[str, str]:
 
 @pytest.fixture
 def user_run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
-             tmp_path_factory: pytest.TempPathFactory) -> tuple[pytest.RunResult, dict[str, str], Path]:
+             short_tmp: Path) -> tuple[pytest.RunResult, dict[str, str], Path]:
     """Run USER_TESTS once (with --strict-markers) and return the result, its sections, and the pid dir."""
     # A temp dir of its own: the engine fixture's leak check lists the temp dir, and other jobs on
-    # this machine write to the shared one.
-    monkeypatch.setenv("TMPDIR", str(tmp_path_factory.mktemp("user_tmp")))
+    # this machine write to the shared one. A short one: the forkserver's socket lives under it.
+    monkeypatch.setenv("TMPDIR", str(short_tmp))
     pytester.makeini("[pytest]\npythonpath = .\n")
     pytester.makepyfile(test_fx=USER_TESTS)
     pids = pytester.path / "pids"

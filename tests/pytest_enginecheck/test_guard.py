@@ -80,9 +80,8 @@ def torch_state() -> dict[tuple[str, str], Any]:
 @pytest.mark.parametrize("api", list(CUDA_CALLS))
 def test_each_cuda_api_is_caught_and_recorded_where_it_was_called(api: str) -> None:
     call = CUDA_CALLS[api]
-    with CudaGuard() as guard:
-        with pytest.raises(CudaAccessError) as excinfo:
-            call()
+    with CudaGuard() as guard, pytest.raises(CudaAccessError) as excinfo:
+        call()
     assert len(guard.accesses) == 1, [a.api for a in guard.accesses]
     access = guard.accesses[0]
     assert (access.api, access.kind) == (api, "init")
@@ -109,9 +108,8 @@ def test_an_import_chain_is_recorded_from_the_outer_module_to_the_offender(tmp_p
     (tmp_path / "guardchain_leaf.py").write_text("import torch\n\nWORKSPACE = torch.zeros(4, device='cuda')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
-        with CudaGuard() as guard:
-            with pytest.raises(CudaAccessError):
-                import guardchain_top  # noqa: F401
+        with CudaGuard() as guard, pytest.raises(CudaAccessError):
+            import guardchain_top  # noqa: F401
     finally:
         for name in ("guardchain_top", "guardchain_mid", "guardchain_leaf"):
             sys.modules.pop(name, None)
@@ -128,7 +126,7 @@ def test_a_swallowed_cuda_error_is_still_recorded() -> None:
     with CudaGuard() as guard:
         try:
             torch.zeros(1, device="cuda")
-        except Exception:  # the code under test falls back to CPU
+        except Exception:  # noqa: BLE001 - the code under test falls back to CPU on any error
             fallback = torch.zeros(1)
         line = sys._getframe().f_lineno - 3
     assert fallback.device.type == "cpu"
@@ -180,7 +178,7 @@ def test_without_strict_mode_cuda_queries_are_not_recorded() -> None:
 
 @pytest.fixture
 def state_before() -> Iterator[dict[tuple[str, str], Any]]:
-    import torch.cuda.memory  # noqa: F401 - submodules holding their own _lazy_init
+    import torch.cuda.memory
     import torch.cuda.random  # noqa: F401
 
     yield torch_state()
@@ -207,8 +205,7 @@ def test_torch_is_restored_exactly_on_exit(state_before: dict[tuple[str, str], A
 
 
 def test_torch_is_restored_when_the_body_raises(state_before: dict[tuple[str, str], Any]) -> None:
-    with pytest.raises(CudaAccessError):
-        with CudaGuard():
-            torch.cuda.current_device()
+    with pytest.raises(CudaAccessError), CudaGuard():
+        torch.cuda.current_device()
     after = torch_state()
     assert [k for k, v in state_before.items() if after[k] is not v] == []
