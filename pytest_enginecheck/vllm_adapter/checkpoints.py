@@ -54,6 +54,8 @@ def tiny_config(architecture: str, model_cls: type | None = None) -> Any:
         raise NoTinyCheckpoint(f"{config_cls.__name__} is a composite (multimodal) config; only text decoders "
                                f"get tiny checkpoints so far")
     sizes = {k: v for k, v in TINY_SIZES.items() if hasattr(defaults, k)}
+    if isinstance(getattr(defaults, "num_experts_per_tok", None), int):  # a top-1 router (Llama 4) stays top-1
+        sizes["num_experts_per_tok"] = min(defaults.num_experts_per_tok, TINY_SIZES["num_experts_per_tok"])
     if "layer_types" in defaults.to_dict():
         sizes["layer_types"] = ["full_attention"] * sizes.get("num_hidden_layers", 2)
     try:

@@ -21,7 +21,8 @@ from pytest_enginecheck.vllm_adapter import registry
 from pytest_enginecheck.vllm_adapter.checkpoints import NoTinyCheckpoint, tiny_checkpoint
 from pytest_enginecheck.vllm_adapter.engine import EngineRun, EngineStartError, run_engine
 from pytest_enginecheck.vllm_adapter.env import redirect_caches
-from pytest_enginecheck.vllm_adapter.probe import probe
+from pytest_enginecheck.vllm_adapter.probe import GENERATING_KINDS, probe
+
 
 def _entry(ctx: CheckContext) -> registry.VllmArch:
     redirect_caches(ctx.workdir)
@@ -83,6 +84,15 @@ def _checkpoint(ctx: CheckContext) -> str:
         raise CheckSkip(reason)
     entry = _entry(ctx)
     model_cls = _model_class(ctx, entry)
+    kind = probe().model_kinds.get(ctx.architecture)
+    if kind is not None and kind not in GENERATING_KINDS:
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise CheckSkip(f"vLLM registers {ctx.architecture} as {article} {kind} model: the engine checks compare "
+                        f"generated tokens")
+    info, _ = registry.inspect_in_fork(model_cls)
+    if not info.get("is_text_generation_model", True):
+        raise CheckSkip(f"{ctx.architecture} is not a text generation model (vLLM's ModelInfo): the engine checks "
+                        f"compare generated tokens")
     try:
         return str(tiny_checkpoint(ctx.architecture, ctx.workdir, model_cls))
     except NoTinyCheckpoint as e:

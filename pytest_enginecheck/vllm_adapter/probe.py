@@ -16,6 +16,13 @@ from types import ModuleType
 from typing import Any
 
 REGISTRY_MODULE = "vllm.model_executor.models.registry"
+# vLLM's in-tree lists of architectures (names in the registry module), by the kind of model they hold.
+MODEL_KINDS = {"_TEXT_GENERATION_MODELS": "text generation", "_MULTIMODAL_MODELS": "multimodal",
+               "_EMBEDDING_MODELS": "embedding", "_LATE_INTERACTION_MODELS": "late-interaction",
+               "_REWARD_MODELS": "reward", "_TOKEN_CLASSIFICATION_MODELS": "token classification",
+               "_SEQUENCE_CLASSIFICATION_MODELS": "sequence classification",
+               "_SPECULATIVE_DECODING_MODELS": "speculative-decoding draft"}
+GENERATING_KINDS = ("text generation", "multimodal")
 
 
 class VllmUnavailable(Exception):
@@ -34,6 +41,7 @@ class VllmApi:
     subprocess_command: tuple[str, ...]
     load_general_plugins: Callable[[], Any]
     plugins_group: str
+    model_kinds: dict[str, str]  # in-tree architecture -> the kind vLLM's registry lists it as (MODEL_KINDS)
 
     def cpu_backend(self) -> str | None:
         """None when vLLM can start its engine on CPU here; otherwise the reason it cannot."""
@@ -73,6 +81,8 @@ def probe() -> VllmApi:
         subprocess_command=tuple(getattr(registry_module, "_SUBPROCESS_COMMAND", ())),
         load_general_plugins=loader,
         plugins_group=getattr(plugins, "DEFAULT_PLUGINS_GROUP", "vllm.general_plugins"),
+        model_kinds={arch: kind for name, kind in reversed(MODEL_KINDS.items())
+                     for arch in getattr(registry_module, name, {})},
     )
 
 
