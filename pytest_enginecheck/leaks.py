@@ -3,6 +3,7 @@ listening sockets, temp-dir entries, shared-memory segments. Read from /proc (Li
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -34,10 +35,8 @@ def _children(pid: int) -> set[int]:
 def _fds() -> dict[int, str]:
     fds = {}
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):
             fds[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            pass
     return fds
 
 
@@ -71,6 +70,28 @@ def temp_entries(root: str | None = None) -> set[str]:
     return entries | ({f"{own}/{name}" for name in _listdir(os.path.join(root, own))} if own else set())
 
 
+def unowned_shm_entries(ours: set[int] | None = None) -> set[str]:
+    """The /dev/shm entries no process outside ``ours`` (default: this process and its descendants)
+    holds open or mapped: /dev/shm is machine-wide, and a segment another program is using (torch's
+    ``psm_*``, multiprocessing's ``sem.mp-*``) is not this engine's leak; a leaked one is held by no one."""
+    ours = {os.getpid(), *_children(os.getpid())} if ours is None else ours
+    entries = _listdir("/dev/shm")
+    held: set[str] = set()
+    for pid in (int(e) for e in os.listdir("/proc") if e.isdigit()):
+        if pid in ours:
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                held.update(line.rsplit("/dev/shm/", 1)[1].split(" ")[0] for line in f if "/dev/shm/" in line)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    held.add(target[len("/dev/shm/"):])
+        except OSError:  # gone, or not ours to read
+            continue
+    return entries - held
+
+
 def _listdir(path: str) -> set[str]:
     try:
         return set(os.listdir(path))
@@ -93,7 +114,7 @@ class ResourceSnapshot:
         fds = _fds()
         own_sockets = {target[8:-1] for target in fds.values() if target.startswith("socket:[")}
         return cls(frozenset(_children(os.getpid())), fds, frozenset(own_sockets & _listening_inodes()),
-                   frozenset(temp_entries()), frozenset(_listdir("/dev/shm")))
+                   frozenset(temp_entries()), frozenset(unowned_shm_entries()))
 
     def leaked_since(self, before: ResourceSnapshot, ignore_regular_files: bool = False) -> list[str]:
         """Plain descriptions of what exists now but did not before.

@@ -34,7 +34,7 @@ from engine_ref.executor.protocol import RpcTimeoutError
 from engine_ref.isolation import RemoteTraceback, get_mp_context, run_isolated
 from engine_ref.isolation.tempdirs import owner_dir
 from engine_ref.model_executor.model_loader.checkpoint import example_config
-from pytest_enginecheck.leaks import temp_entries
+from pytest_enginecheck.leaks import temp_entries, unowned_shm_entries
 from tests import fault_models
 from tests.fault_models import fault_overrides
 from tests.helpers import LLAMA, SMALL_ENGINE, wait_gone
@@ -502,19 +502,18 @@ def _snapshot(tmp: Path) -> dict[str, Any]:
         "fds": me.num_fds(),
         "listening ports": _listening_ports([me, *children]),
         "temp entries": temp_entries(str(tmp)),  # and what this process's own temp dir holds
-        "shared memory": set(os.listdir("/dev/shm")),
+        "shared memory": unowned_shm_entries(),  # held by no other program on this machine
         "threads": sorted(t.name for t in threading.enumerate()),
     }
 
 
 def test_twenty_start_stop_cycles_leave_nothing_behind(llama: Path, tiny_checkpoint: Callable[..., Path],
-                                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                       short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every 5th cycle is Llava with an image, so tensors travel to the workers (and torch's
     shared-memory pickling, which starts a thread and a socket here, would show)."""
     llava = tiny_checkpoint("LlavaForConditionalGeneration")
     image_prompt = [1, *[example_config("LlavaForConditionalGeneration")["image_token_index"]] * 16, 5]
-    private_tmp = tmp_path / "tmp"
-    private_tmp.mkdir()
+    private_tmp = short_tmp
     monkeypatch.setenv("TMPDIR", str(private_tmp))
     monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
     for model in (llama, llava):  # the forkserver, the ModelInfo cache and lazy imports, once
