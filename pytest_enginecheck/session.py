@@ -13,6 +13,7 @@ import os
 import pickle
 import shutil
 import tempfile
+from collections.abc import Generator
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -197,12 +198,15 @@ class EngineCheckSession:
             item.depend_on(found, self.outcomes.setdefault(arch, {}))
 
     @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]
+                                  ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         """A skipped check reads as its architecture and reason (``SKIPPED [6] enginecheck::Arch: import failed,
         see ...``), so the skips of one root cause fold into one line."""
         report: pytest.TestReport = yield
-        if isinstance(item, CheckItem) and report.skipped and isinstance(report.longrepr, tuple):
-            report.longrepr = (str(item.session.startpath / item.parent.nodeid), None, report.longrepr[2])
+        if isinstance(item, CheckItem) and item.parent and report.skipped and isinstance(report.longrepr, tuple):
+            # pytest folds skips by (path, line, reason); no line number, so one root cause folds into one line
+            report.longrepr = (str(item.session.startpath / item.parent.nodeid), None,  # type: ignore[assignment]
+                               report.longrepr[2])
         return report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:

@@ -154,6 +154,7 @@ def describe(spec: str, strict: bool = False) -> TargetDescription:
     if spec == "vllm":
         return _describe_vllm(strict)
     kind, obj = resolve(spec)
+    checks: tuple[str, ...]
     if kind == "engine_ref":
         entries = tuple(ArchEntry(arch, e.module_name, e.class_name) for arch, e in obj.models.items())
         checks = CHECKS

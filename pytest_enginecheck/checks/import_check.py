@@ -34,11 +34,12 @@ def _user_traceback(exc: BaseException) -> str:
 def import_failure(ctx: CheckContext, exc: BaseException) -> CheckFailure:
     """An import's exception (not CUDA) as what it is: a missing dependency or module, an exit, an error."""
     module = ctx.module
-    if isinstance(exc, ModuleNotFoundError) and exc.name and not (module == exc.name or module.startswith(exc.name + ".")):
+    missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+    if missing and not (module == missing or module.startswith(missing + ".")):
         return CheckFailure(
-            f"Importing {module} failed: it imports {exc.name!r}, which is not installed. Install it, or import "
+            f"Importing {module} failed: it imports {missing!r}, which is not installed. Install it, or import "
             f"it lazily inside the code that needs it.",
-            {"kind": "missing_dependency", "dependency": exc.name, "traceback": _user_traceback(exc)})
+            {"kind": "missing_dependency", "dependency": missing, "traceback": _user_traceback(exc)})
     if isinstance(exc, ModuleNotFoundError):
         return CheckFailure(
             f"Module {module!r} registered for {ctx.architecture} does not exist ({exc}); fix the registration.",

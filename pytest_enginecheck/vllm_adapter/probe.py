@@ -52,7 +52,8 @@ def _find_model_info_builder(registry_module: ModuleType) -> Callable[[type], An
     """The ``*ModelInfo.from_model_cls`` staticmethod vLLM's inspection builds the ModelInfo with."""
     for name, obj in vars(registry_module).items():
         if inspect.isclass(obj) and name.endswith("ModelInfo") and callable(getattr(obj, "from_model_cls", None)):
-            return obj.from_model_cls
+            builder: Callable[[type], Any] = getattr(obj, "from_model_cls")  # noqa: B009 - probed, not declared
+            return builder
     raise VllmUnavailable(f"{REGISTRY_MODULE} has no *ModelInfo class with from_model_cls; this vLLM builds "
                           f"its ModelInfo some other way, which the adapter does not know yet")
 

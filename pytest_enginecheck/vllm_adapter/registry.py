@@ -69,7 +69,7 @@ def import_model_class(entry: VllmArch, strict: bool = False) -> ModelImport:
 
 
 def _as_dict(info: Any) -> dict[str, Any]:
-    return asdict(info) if is_dataclass(info) else dict(vars(info))
+    return asdict(info) if is_dataclass(info) and not isinstance(info, type) else dict(vars(info))
 
 
 def inspect_in_fork(model_cls: type, strict: bool = False) -> tuple[dict[str, Any], list[CudaAccess]]:
