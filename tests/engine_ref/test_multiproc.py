@@ -213,8 +213,9 @@ def test_hung_worker_is_dumped_and_killed_at_the_ready_timeout(faulty: Callable[
     assert "and was killed" in message
     # faulthandler's dump of the hung rank: the sleep in the fault model, under the loader.
     assert "fault_models.py" in message and "_maybe_fail" in message and "load_model" in message
-    assert timeout_s <= seconds < timeout_s + 4
-    leftover = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert timeout_s <= seconds < 5 * timeout_s, "it fails at the ready timeout (plus the stack dump), not later"
+    leftover = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before
+                and "from multiprocessing." not in " ".join(p.cmdline())]  # the forkserver and its tracker stay
     assert not wait_gone(leftover, timeout=1.0)
 
 
@@ -438,16 +439,6 @@ def _read_engine(proc: subprocess.Popen[str], timeout: float) -> tuple[Path, lis
 
 
 @pytest.fixture
-def scripts() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-
-
-@pytest.fixture
 def script_dir() -> Iterator[Path]:
     """A short private dir for an engine script, and its TMPDIR (``script-tmp`` inside): a script killed on
     purpose cannot remove what it made there (multiprocessing's pymp-* dir), and the forkserver's Unix
@@ -459,9 +450,9 @@ def script_dir() -> Iterator[Path]:
 
 
 def test_workers_exit_when_the_parent_is_killed(llama: Path, script_dir: Path,
-                                                scripts: list[subprocess.Popen[str]]) -> None:
+                                                procs: list[subprocess.Popen[str]]) -> None:
     proc = _start_script(llama, script_dir, "hold")
-    scripts.append(proc)
+    procs.append(proc)
     rendezvous_dir, workers = _read_engine(proc, timeout=60)
     descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
     assert set(workers) <= set(descendants)
@@ -472,9 +463,9 @@ def test_workers_exit_when_the_parent_is_killed(llama: Path, script_dir: Path,
 
 
 def test_workers_stop_at_interpreter_exit(llama: Path, script_dir: Path,
-                                          scripts: list[subprocess.Popen[str]]) -> None:
+                                          procs: list[subprocess.Popen[str]]) -> None:
     proc = _start_script(llama, script_dir, "exit")
-    scripts.append(proc)
+    procs.append(proc)
     rendezvous_dir, workers = _read_engine(proc, timeout=60)
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 0, stderr[-3000:]
