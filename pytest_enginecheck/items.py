@@ -48,19 +48,20 @@ class CheckItem(pytest.Item):
         self.ctx = ctx
         self.result: CheckResult | None = None
         self.roots: Mapping[str, tuple[str, CheckContext]] = {}
-        self.outcomes: MutableMapping[str, str] = {}
+        self.known: MutableMapping[str, CheckResult] = {}
         self.add_marker("enginecheck")
 
-    def depend_on(self, roots: Mapping[str, tuple[str, CheckContext]], outcomes: MutableMapping[str, str]) -> None:
-        """Set the selected items whose failure this item's failure would repeat, and the outcomes of its
-        architecture's items known in this process (see ``runner.run_item``)."""
+    def depend_on(self, roots: Mapping[str, tuple[str, CheckContext]], known: MutableMapping[str, CheckResult]
+                  ) -> None:
+        """Set the selected items whose failure this item's failure may repeat, and the results of its
+        architecture's items known in this process, shared by them (see ``runner.run_item``)."""
         self.roots = roots
-        self.outcomes = outcomes
+        self.known = known
 
     def runtest(self) -> None:
         from pytest_enginecheck.checks.runner import run_item
 
-        self.result = run_item(self.ctx, self.roots, self.outcomes)
+        self.result = run_item(self.ctx, self.roots, self.known)
         self.user_properties.append((RESULT_PROPERTY, json.dumps(self.result.to_dict())))
         if self.result.outcome == "failed":
             raise CheckFailure(self.result.message, self.result.detail)
@@ -74,3 +75,15 @@ class CheckItem(pytest.Item):
 
     def reportinfo(self) -> tuple[Any, int | None, str]:
         return self.path, None, f"enginecheck {self.ctx.architecture} {self.name}"
+
+
+class PluginErrorCollector(pytest.Collector):
+    """``enginecheck::plugin:<name>`` for a general plugin that raised while the target was described: its
+    collection fails with ``text``, as a test module that fails to import does (whatever checks are selected)."""
+
+    def __init__(self, *, text: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.text = text
+
+    def collect(self) -> Iterator[pytest.Item]:
+        raise self.CollectError(self.text)

@@ -4,8 +4,10 @@
 ``run_check`` is the pytest process's side: it imports no torch and no engine, only the
 warm-process mechanism, and describes a crash, an early exit or a hang of the child as what it
 was, in the terms of the check (importing a module that segfaults is not a CUDA problem).
-``run_item`` adds the dependencies: a failure whose root (``checks.roots``) fails too is a skip
-that names the root, so one root cause reads as one failure.
+``run_item`` adds the dependencies: a failure whose root (``checks.roots``) failed for the same cause
+(``checks.causes``: the same import, the same exception, the same process fate or finding) is a skip that
+names the root, so one root cause reads as one failure; a failure of its own stays a failure, with one line
+saying that the root failed too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 from engine_ref.isolation import ProcessCrashedError, ProcessTimeoutError, run_isolated, tail
 from engine_ref.isolation.tempdirs import mkdtemp_beside
 from pytest_enginecheck.checks import CHECK_MODULES, CheckContext, CheckFailure, CheckResult, CheckSkip, item_name
+from pytest_enginecheck.checks.causes import failure_cause, same_cause
 
 
 def subject(ctx: CheckContext) -> str:
@@ -39,15 +42,20 @@ def subject(ctx: CheckContext) -> str:
     }[ctx.check]
 
 
-def _result(ctx: CheckContext, outcome: str, message: str = "", detail: dict[str, Any] | None = None) -> CheckResult:
-    """The result of ``ctx``'s item; ``run_check`` sets its duration."""
-    return CheckResult(ctx.architecture, item_name(ctx), outcome, 0.0, message, detail or {})
+def _result(ctx: CheckContext, outcome: str, message: str = "", detail: dict[str, Any] | None = None,
+            exc: BaseException | None = None) -> CheckResult:
+    """The result of ``ctx``'s item (a failure with its ``cause``, from ``exc``: what the check raised);
+    ``run_check`` sets its duration."""
+    detail = detail or {}
+    if outcome == "failed":
+        detail = {**detail, "cause": failure_cause(ctx, message, detail, exc)}
+    return CheckResult(ctx.architecture, item_name(ctx), outcome, 0.0, message, detail)
 
 
 def _error(ctx: CheckContext, e: Exception) -> CheckResult:
     """An exception of the check's own code or of the process mechanism, with its traceback."""
     return _result(ctx, "failed", f"{subject(ctx)} raised {type(e).__name__}: {e}",
-                   {"kind": "error", "traceback": traceback.format_exc()})
+                   {"kind": "error", "traceback": traceback.format_exc()}, e)
 
 
 def _phases(seconds: float, detail: dict[str, Any]) -> dict[str, float]:
@@ -81,7 +89,7 @@ def run_in_child(ctx: CheckContext, tmpdir: str | None = None) -> CheckResult:
     except CheckSkip as e:
         result = _result(ctx, "skipped", str(e))
     except CheckFailure as e:
-        result = _result(ctx, "failed", e.message, e.detail)
+        result = _result(ctx, "failed", e.message, e.detail, e)
     except Exception as e:  # noqa: BLE001 - an error of the check itself, not of the architecture
         result = _error(ctx, e)
     else:
@@ -123,25 +131,44 @@ def run_check(ctx: CheckContext) -> CheckResult:
     return dataclasses.replace(result, duration_s=duration, phases=phases)
 
 
+def failed(result: CheckResult) -> bool:
+    """Whether the check failed: a failure, or one folded into its root's (a root folded into its own root counts
+    as failed for its dependents, as it does when it is rerun in another pytest-xdist worker)."""
+    return result.outcome == "failed" or result.detail.get("kind") == "dependency"
+
+
 def run_item(ctx: CheckContext, roots: Mapping[str, tuple[str, CheckContext]],
-             outcomes: MutableMapping[str, str]) -> CheckResult:
-    """Run ``ctx``'s check; when it fails and one of its roots fails too, skip it, naming the root.
+             known: MutableMapping[str, CheckResult]) -> CheckResult:
+    """Run ``ctx``'s check; when it fails for the cause a root of it failed for, skip it, naming the root.
 
     ``roots``: item name -> (node id, context) of the roots selected in this run, in the order to blame
-    them. ``outcomes``: item name -> outcome of this architecture's items known in this process (those
-    run here, and the roots rerun here). A root unknown here ran in another pytest-xdist worker, or not
-    yet: it is rerun here (failures only, so a passing run pays nothing), and both ways give the same
-    verdict. A check that passes passes, whatever its roots did.
+    them. ``known``: item name -> result of this architecture's items known in this process (those run
+    here, and the roots rerun here). A root unknown here ran in another pytest-xdist worker, or not yet:
+    it is rerun here (failures only, so a passing run pays nothing), and both ways give the same verdict.
+
+    The rule: a dependent is folded into the first failed root with the same ``cause`` (``checks.causes``:
+    a module that does not import, the same exception, the same process fate, the same finding). A
+    dependent that failed for a cause of its own stays failed, and its message gets one more line naming
+    the roots that failed too. A check that passes passes, whatever its roots did.
     """
     result = run_check(ctx)
     if result.outcome == "failed":
+        failed_too = []
         for name, (nodeid, root) in roots.items():
-            if name not in outcomes:
-                outcomes[name] = run_check(root).outcome
-            if outcomes[name] == "failed":
+            if name not in known:
+                known[name] = run_check(root)
+            if not failed(known[name]):
+                continue
+            if same_cause(result.detail, known[name].detail):
                 result = dataclasses.replace(
                     result, outcome="skipped", message=f"{name} failed, see {nodeid}",
-                    detail={"kind": "dependency", "root": nodeid, "failure": result.message})
+                    detail={"kind": "dependency", "root": nodeid, "failure": result.message,
+                            "cause": result.detail.get("cause")})
                 break
-    outcomes[item_name(ctx)] = result.outcome
+            failed_too.append((name, nodeid))
+        else:
+            if failed_too:
+                names, nodeids = (", ".join(x) for x in zip(*failed_too, strict=True))
+                result = dataclasses.replace(result, message=f"{result.message}\n({names} failed too, see {nodeids}.)")
+    known[item_name(ctx)] = result
     return result
