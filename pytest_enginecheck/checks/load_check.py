@@ -1,57 +1,173 @@
-"""load: the architecture builds and loads at TP=N on real CPU ranks, and TP=N output equals TP=1.
+"""load: the architecture builds and loads at TP=N on real CPU ranks, its TP=1 output does not depend on the
+seed, and TP=N output equals TP=1.
 
-When TP=N disagrees with TP=1 (other tokens, or a start that fails where TP=1 starts), tp_diagnosis
-names the first module whose output differs and whether its weights or its collective are wrong.
+Determinism comes first, at every TP size: TP=1 runs under the engine's seed and another, and the two must give
+the same tokens and, in a hooked forward (tp_diagnosis.diagnose_seeds), the same output of every module (at TP=N,
+the TP=1 reference runs under the other seed, and equal to TP=N it stands for both TP=1 runs). A
+model whose output depends on the random number generator agrees with itself at TP=2 only because every rank is
+seeded alike, so it is reported as nondeterministic (naming the first module whose output changes) instead of
+comparing TP sizes. When TP=N disagrees with TP=1 (other tokens, or a start that fails where TP=1 starts),
+tp_diagnosis names the first module whose output differs and whether its weights or its collective are wrong.
+At TP=1, every token generated with the KV cache must also be what recomputing its prefix without the cache gives
+(kv_consistency): the oracle for a bug that is the same at every TP size and in every prefill.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure
 from pytest_enginecheck.checks.tiny_engine import greedy, prompts, tiny_checkpoint, verify_tp
 from pytest_enginecheck.targets import engine_ref_registry
 
+if TYPE_CHECKING:
+    from pytest_enginecheck.checks.tp_diagnosis import Diagnosis
 
-def _diagnosis(ctx: CheckContext, ckpt: Any, prompt: list[int]) -> str | None:
-    from pytest_enginecheck.checks.tp_diagnosis import diagnose
+SEEDS = (0, 1)  # the engine's default seed, and the determinism run's other one
+DIAGNOSIS_MARGIN_S = 2.0  # of --enginecheck-timeout, kept for reporting after a diagnosis that timed out
+MIN_DIAGNOSIS_S = 5.0  # less left than this: the diagnosis is not run
+HINT = "Hint: check the weight_loader and the collectives of the layers this model changed."
 
+
+def _diagnosis(ctx: CheckContext, ckpt: Any, prompt: list[int], started: bool = True,
+               since: float | None = None) -> Diagnosis:
+    """tp_diagnosis.diagnose's Diagnosis; when the diagnosis itself fails, one that says so with its error.
+
+    ``since``: when the check started (time.monotonic()); the diagnosis gets only what is left of --enginecheck-timeout,
+    so a start that hung (and would hang the diagnosis too) is reported in the engine's words, not as the check's
+    own timeout."""
+    from pytest_enginecheck.checks.tp_diagnosis import Diagnosis, diagnose
+
+    timeout = max(10.0, ctx.timeout * 0.4)
+    if since is not None:
+        spent = time.monotonic() - since
+        timeout = min(timeout, ctx.timeout - spent - DIAGNOSIS_MARGIN_S)
+        if timeout < MIN_DIAGNOSIS_S:
+            return Diagnosis(f"The diagnosis was not run: the check had spent {spent:.0f} s of its {ctx.timeout:g} s "
+                             f"(--enginecheck-timeout), so it names no module.")
     try:
-        return diagnose(ctx.spec, ckpt, ctx.tp, prompt, timeout=max(10.0, ctx.timeout * 0.4))
-    except Exception:  # noqa: BLE001 - no diagnosis: the check's own finding stands
-        return None
+        return diagnose(ctx.spec, ckpt, ctx.tp, prompt, timeout=timeout, started=started)
+    except Exception as e:  # noqa: BLE001 - the check's own finding stands; the user learns why none was added
+        lines = str(e).strip().splitlines() or [""]
+        # A rank's failure reads "rank 0 of 2 failed:" and its traceback: the last line is the exception.
+        error = f"{lines[0]} {lines[-1].strip()}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+        return Diagnosis(f"The diagnosis failed ({type(e).__name__}: {error}), so it names no module. {HINT}")
+
+
+def verify_deterministic(ctx: CheckContext, ckpt: Any, reference: list[list[int]],
+                         again: list[list[int]] | None = None) -> dict[str, Any]:
+    """Fail when TP=1 under the second seed (``again``, run here when None) gives other tokens than ``reference``
+    (TP=1 under the first), or a hooked forward under the two seeds gives another output in any module; return
+    the run's detail."""
+    from pytest_enginecheck.checks.tp_diagnosis import diagnose_seeds
+
+    if again is None:
+        again, _ = greedy(ctx, ckpt, 1, seed=SEEDS[1])
+    changed = [i for i, (a, b) in enumerate(zip(reference, again, strict=True)) if a != b]
+    i = changed[0] if changed else len(reference) - 1  # the longest prompt when the tokens agree
+    finding = diagnose_seeds(ctx.spec, ckpt, reference_prompt(ckpt, i), SEEDS)
+    if finding is None and not changed:
+        return {"deterministic_seeds": list(SEEDS)}
+    a, b = SEEDS
+    runs = f"Two runs at tensor_parallel_size=1 that differ only in the seed ({a} and {b})"
+    if changed:
+        what = f"{runs} generate different tokens (prompt {i}: {reference[i]} vs {again[i]})"
+    else:
+        what = f"{runs} generate the same tokens, but not the same module outputs (prompt {i})"
+    found = finding.text if finding is not None else (
+        f"The hooked forward of prompt {i} (its prefill, without the KV cache) gives the same output in every module "
+        f"under both seeds: the difference arises in decoding with the KV cache.")
+    unused = " Its tensor parallelism was not compared (its seeded-alike ranks agree whatever the seed does)."
+    raise CheckFailure(
+        f"{ctx.architecture} is nondeterministic: {what}. {found}{unused if ctx.tp > 1 else ''}",
+        {"kind": "nondeterministic", "seeds": list(SEEDS), "outputs": reference, "outputs_other_seed": again,
+         "module": finding.module if finding is not None else None})
+
+
+def verify_kv_cache(ctx: CheckContext, ckpt: Any, outputs: list[list[int]]) -> dict[str, Any]:
+    """Fail when a token the engine generated with the KV cache is not what recomputing its prefix without the
+    cache gives (kv_consistency); return the run's detail."""
+    from pytest_enginecheck.checks import kv_consistency
+
+    vocab_prompts = [reference_prompt(ckpt, i) for i in range(len(outputs))]
+    mismatch = kv_consistency.first_kv_mismatch(ctx.spec, ckpt, vocab_prompts, outputs, seed=SEEDS[0])
+    if mismatch is None:
+        return {"kv_cache_equals_recompute": True}
+    raise CheckFailure(kv_consistency.describe(ctx.architecture, mismatch, vocab_prompts),
+                       {"kind": "kv_cache_mismatch", "outputs": outputs, **mismatch})
 
 
 def run(ctx: CheckContext) -> dict[str, Any]:
+    since = time.monotonic()
     ckpt = tiny_checkpoint(ctx, engine_ref_registry(ctx.spec))
     verify_tp(ckpt, ctx.tp)
     try:
         outputs, report = greedy(ctx, ckpt, ctx.tp)
     except CheckFailure as failure:
-        diagnosis = _diagnosis(ctx, ckpt, reference_prompt(ckpt, 1)) if ctx.tp > 1 else None
-        if diagnosis is None:
+        if ctx.tp == 1:
             raise
-        raise CheckFailure(f"{ctx.architecture} fails to start at tensor_parallel_size={ctx.tp}: {diagnosis}",
-                           {**failure.detail, "kind": "tp_mismatch", "diagnosis": diagnosis}) from None
+        diagnosis = _diagnosis(ctx, ckpt, reference_prompt(ckpt, 1), started=False, since=since)
+        if diagnosis.module is None:  # the engine's own words stand, with what the diagnosis could say
+            raise CheckFailure(f"{failure.message} {diagnosis.text}",
+                               {**failure.detail, "diagnosis": diagnosis.text}) from None
+        raise CheckFailure(f"{ctx.architecture} fails to start at tensor_parallel_size={ctx.tp}: {diagnosis.text}",
+                           {**failure.detail, "kind": "tp_mismatch", "diagnosis": diagnosis.text}) from None
     detail: dict[str, Any] = {
         "tensor_parallel_size": ctx.tp,
         "bytes_read_per_rank": [w.bytes_read for w in report.workers],
         "load_seconds_per_rank": [round(w.phases.get("load_model", 0.0), 4) for w in report.workers],
     }
-    if ctx.tp > 1:
-        reference, _ = greedy(ctx, ckpt, 1)
-        mismatched = [i for i, (a, b) in enumerate(zip(outputs, reference, strict=True)) if a != b]
-        if mismatched:
-            i = mismatched[0]
-            diagnosis = _diagnosis(ctx, ckpt, reference_prompt(ckpt, i)) or (
-                "Some weight is sharded or its collective is wrong. Check the weight_loader of the layers this "
-                "model changed.")
-            raise CheckFailure(
-                f"At tensor_parallel_size={ctx.tp}, {ctx.architecture} generates different tokens than at "
-                f"tensor_parallel_size=1 (prompt {i}: {outputs[i]} vs {reference[i]}). {diagnosis}",
-                {**detail, "kind": "tp_mismatch", "outputs": outputs, "reference": reference,
-                 "diagnosis": diagnosis})
+    if ctx.tp == 1:
+        detail.update(verify_deterministic(ctx, ckpt, outputs))
+        detail.update(verify_kv_cache(ctx, ckpt, outputs))
+        return detail
+    # The TP=1 reference runs under the other seed: equal to TP=N (under the engine's seed), it is also the
+    # determinism check's second run, for free. Unequal, TP=1 under the engine's seed tells whether the model
+    # (it differs from the other seed's run: nondeterministic) or its tensor parallelism is at fault.
+    other_seed, _ = greedy(ctx, ckpt, 1, seed=SEEDS[1])
+    reference = other_seed if other_seed == outputs else greedy(ctx, ckpt, 1)[0]
+    detail.update(verify_deterministic(ctx, ckpt, reference, again=other_seed))
+    mismatched = [i for i, (a, b) in enumerate(zip(outputs, reference, strict=True)) if a != b]
+    if mismatched:
+        i = mismatched[0]
+        diagnosis = _diagnosis(ctx, ckpt, reference_prompt(ckpt, i))
+        raise CheckFailure(
+            f"At tensor_parallel_size={ctx.tp}, {ctx.architecture} generates different tokens than at "
+            f"tensor_parallel_size=1 (prompt {i}: {outputs[i]} vs {reference[i]}). {diagnosis.text}",
+            {**detail, "kind": "tp_mismatch", "outputs": outputs, "reference": reference,
+             "diagnosis": diagnosis.text})
+    detail.update(verify_same_forward(ctx, ckpt, len(outputs) - 1))
     return detail
+
+
+def verify_same_forward(ctx: CheckContext, ckpt: Any, i: int) -> dict[str, Any]:
+    """Fail when TP=N's greedy tokens equal TP=1's but one hooked prefill of prompt ``i`` does not give TP=1's
+    output in some module (tp_diagnosis.compare, within its float32 tolerance); return the run's detail.
+
+    Equal tokens are a weak oracle for a tiny model, whose output distribution is nearly flat: a sharding bug that
+    keeps every greedy token (a shard scaled by 1.01) still changes what the modules compute. Two hooked forwards
+    (TP=1 and TP=N, one prompt) cost less than one engine start."""
+    from pytest_enginecheck.checks.tp_diagnosis import capture, compare, explain_tp
+    from pytest_enginecheck.multirank import run_multirank
+
+    prompt, timeout = reference_prompt(ckpt, i), max(10.0, ctx.timeout * 0.4)
+    try:
+        (one,) = run_multirank(capture, 1, ctx.spec, str(ckpt), prompt, timeout=timeout)
+        ranks = run_multirank(capture, ctx.tp, ctx.spec, str(ckpt), prompt, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - the tokens agreed; the detail says why the forwards were not compared
+        return {"forward_not_compared": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"}
+    if one.error is not None:
+        return {"forward_not_compared": f"the hooked forward at tensor_parallel_size=1 raised {one.error}"}
+    differs = compare(one, ranks).differs
+    if differs is None:
+        return {"forward_compared_prompt": i}
+    diagnosis = explain_tp(one, ranks, ctx.tp)
+    raise CheckFailure(
+        f"At tensor_parallel_size={ctx.tp}, {ctx.architecture} generates the same greedy tokens as at "
+        f"tensor_parallel_size=1, but not the same forward (prompt {i}, its prefill with every module hooked). "
+        f"{diagnosis.text}",
+        {"kind": "tp_mismatch", "tensor_parallel_size": ctx.tp, "module": differs, "diagnosis": diagnosis.text})
 
 
 def reference_prompt(ckpt: Any, i: int) -> list[int]:

@@ -75,8 +75,8 @@ def start_engine(ctx: CheckContext, ckpt: Path, tp: int, **kwargs: Any) -> Any:
                            {"kind": type(e).__name__}) from None
 
 
-def greedy(ctx: CheckContext, ckpt: Path, tp: int) -> tuple[list[list[int]], Any]:
-    """Greedy tokens for the fixed prompts at ``tp``, and the startup report."""
-    with start_engine(ctx, ckpt, tp) as llm:
+def greedy(ctx: CheckContext, ckpt: Path, tp: int, seed: int = 0) -> tuple[list[list[int]], Any]:
+    """Greedy tokens for the fixed prompts at ``tp`` (the engine's ``seed``), and the startup report."""
+    with start_engine(ctx, ckpt, tp, seed=seed) as llm:
         vocab = llm.engine.config.model_config.hf_text_config.vocab_size
         return llm.generate(prompts(vocab), max_tokens=MAX_TOKENS, ignore_eos=True), llm.startup_report
