@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 
-def _children(pid: int) -> set[int]:
+def descendants(pid: int) -> set[int]:
     """Every live descendant of ``pid`` (zombies excluded)."""
     parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
@@ -74,7 +74,7 @@ def unowned_shm_entries(ours: set[int] | None = None) -> set[str]:
     """The /dev/shm entries no process outside ``ours`` (default: this process and its descendants)
     holds open or mapped: /dev/shm is machine-wide, and a segment another program is using (torch's
     ``psm_*``, multiprocessing's ``sem.mp-*``) is not this engine's leak; a leaked one is held by no one."""
-    ours = {os.getpid(), *_children(os.getpid())} if ours is None else ours
+    ours = {os.getpid(), *descendants(os.getpid())} if ours is None else ours
     entries = _listdir("/dev/shm")
     held: set[str] = set()
     for pid in (int(e) for e in os.listdir("/proc") if e.isdigit()):
@@ -113,7 +113,7 @@ class ResourceSnapshot:
     def take(cls) -> ResourceSnapshot:
         fds = _fds()
         own_sockets = {target[8:-1] for target in fds.values() if target.startswith("socket:[")}
-        return cls(frozenset(_children(os.getpid())), fds, frozenset(own_sockets & _listening_inodes()),
+        return cls(frozenset(descendants(os.getpid())), fds, frozenset(own_sockets & _listening_inodes()),
                    frozenset(temp_entries()), frozenset(unowned_shm_entries()))
 
     def leaked_since(self, before: ResourceSnapshot, ignore_regular_files: bool = False) -> list[str]:

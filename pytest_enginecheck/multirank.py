@@ -43,12 +43,13 @@ def run_multirank(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeo
     import cloudpickle
 
     from engine_ref.isolation import ERROR, AnswerWait, Deadline, describe_exitcode, get_mp_context, start_process
+    from engine_ref.isolation.tempdirs import owner_dir
 
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
     ctx = get_mp_context()
     # A file store in a private directory: unlike a probed free port, no other group can take it.
-    store_dir = tempfile.mkdtemp(prefix="enginecheck-multirank-")
+    store_dir = tempfile.mkdtemp(prefix="multirank-", dir=owner_dir())  # swept with it if this process is killed
     init_method = f"file://{store_dir}/store"
     payload = cloudpickle.dumps((fn, args, kwargs))
     procs: dict[int, WarmProcess] = {}

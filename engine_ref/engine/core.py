@@ -17,6 +17,7 @@ from engine_ref.engine.arg_utils import EngineArgs
 from engine_ref.engine.report import PhaseTimer, StartupReport
 from engine_ref.engine.scheduler import Request, Scheduler
 from engine_ref.executor.abstract import Executor
+from engine_ref.executor.shutdown import WorkerExit
 from engine_ref.kv_cache.block_pool import BlockPool
 from engine_ref.kv_cache.sizing import KVCacheSizing, check_enough_kv_cache_memory, size_kv_cache
 from engine_ref.kv_cache.spec import bytes_per_block
@@ -98,3 +99,9 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop the workers. Idempotent."""
         self.executor.shutdown()
+
+    @property
+    def worker_exits(self) -> list[WorkerExit]:
+        """After shutdown: how each rank's worker ended (by itself, or needing SIGTERM / SIGKILL, and the
+        non-daemon threads that kept it alive); empty before."""
+        return self.executor.worker_exits

@@ -54,12 +54,14 @@ def _add_lora_args(parser: argparse.ArgumentParser) -> None:
 def cmd_startup(args: argparse.Namespace) -> int:
     """Start the engine on a model directory (or a tiny checkpoint of an architecture), print the report."""
     from engine_ref.entrypoints.llm import LLM
+    from engine_ref.isolation.tempdirs import owner_dir
     from engine_ref.model_executor.model_loader.checkpoint import make_checkpoint
     from engine_ref.model_executor.models.registry import ModelRegistry
     from engine_ref.plugins import load_general_plugins
 
     load_general_plugins()  # before the registry is asked: a plugin's architecture is a valid MODEL
-    with tempfile.TemporaryDirectory(prefix="engine_ref-") as tmp:
+    # Inside this process's own temp dir: after a kill -9, the next engine_ref start sweeps it with the rest.
+    with tempfile.TemporaryDirectory(prefix="startup-", dir=owner_dir()) as tmp:
         model = args.model
         if not Path(model).exists() and model in ModelRegistry.get_supported_archs():
             model = str(make_checkpoint(model, Path(tmp) / model))

@@ -8,11 +8,19 @@ from typing import Any
 from engine_ref.config import EngineConfig
 from engine_ref.engine.report import WorkerReport
 from engine_ref.engine.scheduler import SchedulerOutput
+from engine_ref.executor.shutdown import WorkerExit
 from engine_ref.kv_cache.spec import FullAttentionSpec
 
 
 class Executor(ABC):
-    """Starts the workers (init_worker, init_device, load_model) in ``__init__``; calls them after."""
+    """Starts the workers (init_worker, init_device, load_model) in ``__init__``; calls them after.
+
+    ``shutdown`` fills ``worker_exits``: how each rank's worker ended (see engine_ref.executor.shutdown).
+    """
+
+    # After a worker's teardown, for the non-daemon threads it still runs to end. Short: a worker that runs none is
+    # not hurried by it (it has the executor's own grace to exit), and one that does would run them until killed.
+    thread_grace_s: float = 1.0
 
     @staticmethod
     def get_class(config: EngineConfig) -> type[Executor]:
@@ -35,6 +43,7 @@ class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.is_shutdown = False
+        self.worker_exits: list[WorkerExit] = []  # rank order, filled by shutdown
         self._init_executor()
 
     @abstractmethod

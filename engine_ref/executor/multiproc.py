@@ -23,8 +23,11 @@ startup at once with its rank and its own traceback, signal or Python stacks (fa
 After startup a monitor thread watches the sentinels: a worker that dies marks the executor dead
 within milliseconds and takes the other workers down; every later call raises EngineDeadError
 naming the rank and the signal. Shutdown asks politely, then SIGTERM, then SIGKILL to each
-worker's process group; it is idempotent and also runs at interpreter exit. A worker whose parent
-dies exits on its own (the death pipe, see engine_ref.isolation).
+worker's process group; it is idempotent and also runs at interpreter exit. A worker answers the
+shutdown message once its teardown returned, with the non-daemon threads it still runs (they keep
+its process from exiting); ``worker_exits`` then says how each worker ended: by itself, or needing
+SIGTERM or SIGKILL, with those threads or its stacks (see engine_ref.executor.shutdown). A worker
+whose parent dies exits on its own (the death pipe, see engine_ref.isolation).
 
 Messages are pickled with plain ``pickle`` and sent as bytes. ``Connection.send`` would use
 multiprocessing's ForkingPickler, through which torch moves tensors (a Llava request's pixels) into
@@ -61,6 +64,7 @@ from engine_ref.executor.protocol import (
     startup_failure,
     worker_error,
 )
+from engine_ref.executor.shutdown import EndedBy, LiveThread, WorkerExit, live_threads, non_daemon_threads
 from engine_ref.isolation import (
     ERROR,
     OK,
@@ -75,6 +79,7 @@ from engine_ref.isolation import (
 from engine_ref.isolation.tempdirs import owner_dir
 
 logger = logging.getLogger(__name__)
+TORN_DOWN = "torn_down"  # a worker's answer to the shutdown message: (TORN_DOWN, the threads it still runs)
 
 
 def _send(conn: Connection, obj: Any) -> None:
@@ -134,6 +139,8 @@ class WorkerProc(WorkerWrapperBase):
             proc.worker_busy_loop()
         finally:
             proc.shutdown()
+            with suppress(OSError):  # the parent is gone when the pipe closed
+                _send(conn, (TORN_DOWN, live_threads(non_daemon_threads())))
 
     def worker_busy_loop(self) -> None:
         """Serve ``(method, args, kwargs)`` calls until the shutdown message (None) or the pipe closes."""
@@ -308,7 +315,8 @@ class MultiprocExecutor(Executor):
         raise EngineDeadError(self.dead_reason or "The engine has been shut down; start a new engine.")
 
     def shutdown(self) -> None:
-        """Ask each worker to exit, then SIGTERM, then SIGKILL its process group; clean up. Idempotent."""
+        """Ask each worker to exit, then SIGTERM, then SIGKILL its process group; record how each ended in
+        ``worker_exits``; clean up. Idempotent."""
         with self._state_lock:
             if self.is_shutdown:
                 return
@@ -320,32 +328,72 @@ class MultiprocExecutor(Executor):
         # A call still running in another thread owns the pipes: then go straight to SIGTERM.
         polite = self._rpc_lock.acquire(timeout=self.shutdown_grace_s)
         try:
-            if polite:
-                for worker in self.workers:
-                    with suppress(OSError):
-                        worker.conn.send_bytes(pickle.dumps(None))
-                deadline = time.monotonic() + self.shutdown_grace_s
-                for worker in self.workers:
-                    worker.proc.join(max(0.0, deadline - time.monotonic()))
-            for worker in self.workers:
-                worker.proc.terminate()
-            deadline = time.monotonic() + self.terminate_grace_s
-            for worker in self.workers:
-                worker.proc.join(max(0.0, deadline - time.monotonic()))
-                worker.proc.kill_tree()  # SIGKILL to its group: the worker if it is still there, and stragglers
-                worker.proc.join()
-                self.exit_statuses[worker.rank] = status = describe_exitcode(worker.proc.exitcode)
-                if status != "exited with code 0" and self._ready and self.dead_reason is None:
-                    logger.warning("Worker rank %d (pid %d) did not exit when asked and %s.", worker.rank,
-                                   worker.pid, status)
-                worker.proc.close()
-                worker.conn.close()
+            self.worker_exits = self._end_workers(self._ask_to_exit() if polite else {})
         finally:
             if polite:
                 self._rpc_lock.release()
+        for end in self.worker_exits:
+            self.exit_statuses[end.rank] = end.status
+            if not end.clean and self._ready and self.dead_reason is None:
+                logger.warning("Worker %s.", end.describe())
         self._wake_r.close()
         self._wake_w.close()
         self._remove_tmp_dir()
+
+    def _ask_to_exit(self) -> dict[WorkerProcHandle, tuple[LiveThread, ...]]:
+        """Send each worker the shutdown message and wait for it to exit by itself; return the threads each
+        worker that answered still ran after its teardown.
+
+        Each worker has ``shutdown_grace_s`` to answer (its teardown), then to exit from its answer on; one
+        that answered with live non-daemon threads, which would keep it alive for as long as they run, only
+        ``thread_grace_s`` from the last answer on.
+        """
+        asked = []
+        for worker in self.workers:
+            with suppress(OSError):
+                if worker.proc.is_alive():  # not one the engine's death took down
+                    worker.conn.send_bytes(pickle.dumps(None))
+                    asked.append(worker)
+        answered: dict[WorkerProcHandle, tuple[LiveThread, ...]] = {}
+        exit_by: dict[WorkerProcHandle, float] = {}
+        wait = AnswerWait({w: w.conn for w in asked}, {w: w.proc.sentinel for w in asked},
+                          Deadline(self.shutdown_grace_s))
+        for worker, message in wait:
+            tag, threads = pickle.loads(message) if message is not None else (None, ())
+            if tag == TORN_DOWN:  # not a stale answer of a call the engine gave up on
+                answered[worker] = threads
+                exit_by[worker] = time.monotonic() + self.shutdown_grace_s
+        threads_deadline = time.monotonic() + self.thread_grace_s
+        for worker in self.workers:
+            at = threads_deadline if answered.get(worker) else exit_by.get(worker, 0.0)
+            worker.proc.join(max(0.0, at - time.monotonic()))
+        return answered
+
+    def _end_workers(self, answered: dict[WorkerProcHandle, tuple[LiveThread, ...]]) -> list[WorkerExit]:
+        """SIGTERM each worker still running (dumping its stacks first when it did not answer after its teardown),
+        SIGKILL its group after ``terminate_grace_s``; reap it; say how each ended."""
+        ended_by: dict[WorkerProcHandle, EndedBy] = {}
+        stacks: dict[WorkerProcHandle, str] = {}
+        for worker in self.workers:
+            if worker.proc.is_alive():
+                if worker not in answered:
+                    stacks[worker] = worker.proc.dump_stacks()
+                ended_by[worker] = "SIGTERM"
+                worker.proc.terminate()
+        deadline = Deadline(self.terminate_grace_s)
+        exits = []
+        for worker in self.workers:
+            worker.proc.join(deadline.remaining())
+            if worker.proc.is_alive():
+                ended_by[worker] = "SIGKILL"
+            worker.proc.kill_tree()  # SIGKILL to its group: the worker if it is still there, and stragglers
+            worker.proc.join()
+            how = ended_by.get(worker, "itself")
+            exits.append(WorkerExit(worker.rank, worker.pid, how, describe_exitcode(worker.proc.exitcode),
+                                    answered.get(worker, ()) if how != "itself" else (), stacks.get(worker, "")))
+            worker.proc.close()
+            worker.conn.close()
+        return exits
 
     def _remove_tmp_dir(self) -> None:
         if self._tmp_dir is not None:

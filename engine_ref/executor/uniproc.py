@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 from typing import Any
 
 from engine_ref.executor.abstract import Executor
 from engine_ref.executor.protocol import RpcMethod
+from engine_ref.executor.shutdown import IN_PROCESS, WorkerExit, join_threads, non_daemon_threads
 from engine_ref.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
 
 
 class UniProcExecutor(Executor):
-    """Runs the single rank of a tensor_parallel_size=1 engine in the calling process."""
+    """Runs the single rank of a tensor_parallel_size=1 engine in the calling process.
+
+    Its worker has no process of its own to exit: at shutdown, the non-daemon threads started during the
+    engine's life get ``thread_grace_s`` to end, and those still alive are its WorkerExit's ``threads`` (they
+    would keep this process from exiting, as they keep a WorkerProc from exiting).
+    """
 
     def _init_executor(self) -> None:
+        self._threads_before = set(threading.enumerate())
         self.worker = Worker(self.config, rank=0)
         try:
             self.worker.init_device()
@@ -31,3 +43,7 @@ class UniProcExecutor(Executor):
         if not self.is_shutdown:
             self.is_shutdown = True
             self.worker.shutdown()
+            left = join_threads(non_daemon_threads(exclude=self._threads_before), self.thread_grace_s)
+            self.worker_exits = [WorkerExit(0, os.getpid(), "itself", IN_PROCESS, left)]
+            if left:
+                logger.warning("The engine shut down, but %s.", self.worker_exits[0].describe())

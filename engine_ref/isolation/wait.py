@@ -71,7 +71,7 @@ class AnswerWait(Generic[K]):
                     del self.pending[key]
                     try:
                         message: bytes | None = conn.recv_bytes()
-                    except EOFError:
+                    except (EOFError, ConnectionResetError):  # reset: it died with our message unread
                         message = None
                     if message is None:
                         self._sentinels.pop(key, None)

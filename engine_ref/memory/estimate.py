@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from engine_ref.config import EngineConfig
 from engine_ref.engine.arg_utils import EngineArgs
 from engine_ref.errors import ConfigError
+from engine_ref.isolation.tempdirs import owner_dir
 
 if TYPE_CHECKING:
     from engine_ref.memory.result import MemoryEstimate
@@ -111,7 +112,7 @@ def _model_directory(config: str | os.PathLike[str] | Mapping[str, Any]) -> Iter
             text = json.dumps(dict(config))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"the config dict is not JSON-serializable ({e}); pass plain JSON values.") from None
-        with tempfile.TemporaryDirectory(prefix="engine_ref-estimate-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="estimate-", dir=owner_dir()) as tmp:
             (Path(tmp) / "config.json").write_text(text)
             yield Path(tmp), "the config dict"
         return
@@ -124,7 +125,7 @@ def _model_directory(config: str | os.PathLike[str] | Mapping[str, Any]) -> Iter
     if path.name == "config.json":
         yield path.parent, str(path.parent)
         return
-    with tempfile.TemporaryDirectory(prefix="engine_ref-estimate-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="estimate-", dir=owner_dir()) as tmp:
         shutil.copyfile(path, Path(tmp) / "config.json")
         yield Path(tmp), str(path)
 
