@@ -4,7 +4,8 @@ The weights are ``make_checkpoint``'s (same architecture, seed, dtype and shards
 quantized layer replaced by its 8-bit values plus ``weight_scale`` (in the weight's file),
 computed over the whole checkpoint tensor exactly as on-the-fly quantization computes them at
 any TP size: loading this checkpoint gives the parameters that ``quantization=METHOD`` gives on
-the unquantized one.
+the unquantized one. ``make_dequantized_checkpoint`` writes the reverse: the unquantized checkpoint of
+the weights a pre-quantized one stands for, the exact oracle of a weight-only method.
 """
 
 from __future__ import annotations
@@ -66,4 +67,40 @@ def make_quantized_checkpoint(architecture: str, path: str | Path, quantization:
         total = sum(t.numel() * t.element_size()
                     for f in path.glob("*.safetensors") for t in load_file(str(f)).values())
         index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    return path
+
+
+def make_dequantized_checkpoint(quantized: str | Path, path: str | Path) -> Path:
+    """Write the unquantized twin of a pre-quantized checkpoint into ``path``; return it: each 8-bit weight
+    replaced by ``deq(W) = (weight * weight_scale).to(dtype)``, its scale dropped, ``quantization_config``
+    removed from config.json.
+
+    ``dtype`` is the one the engine resolves for ``quantized`` (config.json's), which is the dtype a weight-only
+    method dequantizes into before its matmul (``ScaledQuantizationConfig.dequantize``, in the same float32
+    arithmetic): the unquantized engine on this checkpoint multiplies by exactly the weights a correct quantized
+    engine multiplies by.
+    """
+    from engine_ref.config import ModelConfig
+
+    quantized, path = Path(quantized), Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = ModelConfig(str(quantized)).torch_dtype
+    config = json.loads((quantized / "config.json").read_text())
+    if "quantization_config" not in config:
+        raise QuantizationError(f"{quantized} has no quantization_config in config.json: it is not quantized.")
+    del config["quantization_config"]
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    weight_map: dict[str, str] = {}
+    for weights_file in sorted(quantized.glob("*.safetensors")):
+        tensors = load_file(str(weights_file))
+        for name in [n for n in tensors if n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) in tensors]:
+            scale, weight_name = tensors.pop(name), name.removesuffix(SCALE_SUFFIX)
+            tensors[weight_name] = (tensors[weight_name].float() * scale.float()).to(dtype)
+        save_file(tensors, str(path / weights_file.name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, weights_file.name))
+    if (quantized / SAFETENSORS_INDEX).exists():
+        total = sum(t.numel() * t.element_size()
+                    for f in path.glob("*.safetensors") for t in load_file(str(f)).values())
+        (path / SAFETENSORS_INDEX).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     return path
