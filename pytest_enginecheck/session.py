@@ -1,7 +1,8 @@
 """EngineCheckSession: the plugin object ``--enginecheck`` registers (pytest-memray style).
 
 It describes the target (in a child process, once: pytest-xdist workers get the controller's
-description), prints its settings in the header, generates the items at collection, gathers each
+description), prints its settings in the header, generates the items at collection (and a collection
+error per general plugin that raised while the target was described), gathers each
 item's result from its report (so it works under pytest-xdist, where items run in workers), and
 closes the run with the summary table and the JSON report.
 """
@@ -19,11 +20,11 @@ from typing import Any
 
 import pytest
 
-from pytest_enginecheck.checks import CHECKS, TP_CHECKS, CheckContext, roots
-from pytest_enginecheck.items import RESULT_PROPERTY, CheckItem, EngineCheckCollector
+from pytest_enginecheck.checks import CHECKS, TP_CHECKS, CheckContext, CheckResult, roots
+from pytest_enginecheck.items import RESULT_PROPERTY, CheckItem, EngineCheckCollector, PluginErrorCollector
 from pytest_enginecheck.options import Settings
 from pytest_enginecheck.report import summary_mode, summary_table, write_json
-from pytest_enginecheck.targets import ArchEntry, TargetDescription
+from pytest_enginecheck.targets import ArchEntry, PluginError, TargetDescription
 
 DESCRIBE_TIMEOUT_S = 300.0
 # What every check child imports: preloaded once in the warm parent instead of once per check.
@@ -58,13 +59,14 @@ class EngineCheckSession:
         self.config = config
         self.settings = settings
         self._workdir: str | None = None
-        add_preload_modules(*CHILD_MODULES, *warm_parent_modules(settings.target, self.early_checks()))
+        add_preload_modules(*CHILD_MODULES,
+                            *warm_parent_modules(settings.target, self.early_checks(), settings.strict))
         if settings.trace_dir:  # the check children inherit it: each engine start writes its trace there
             os.makedirs(settings.trace_dir, exist_ok=True)
             os.environ["ENGINE_REF_TRACE_DIR"] = settings.trace_dir
         self.results: list[dict[str, Any]] = []
         self._description: TargetDescription | None = None
-        self.outcomes: dict[str, dict[str, str]] = {}  # arch -> item name -> outcome, known in this process
+        self.outcomes: dict[str, dict[str, CheckResult]] = {}  # arch -> item name -> result, known in this process
 
     @property
     def is_xdist_worker(self) -> bool:
@@ -166,9 +168,27 @@ class EngineCheckSession:
                 f"device_memory={s.device_memory or 'not predicted'}"
                 + (f"; not offered: {description.missing}" if description.missing else ""))
 
+    def plugin_error_text(self, error: PluginError) -> str:
+        """The collection error of a plugin that raised while the target was described: what, where, what it
+        took with it, how to run without it, and its traceback."""
+        hint = ""
+        if self.settings.target in PLUGIN_GROUPS:
+            others = ",".join(name for name, _, _ in self.description.plugins)
+            hint = (f"\nFix or uninstall it, or leave it out with {PLUGIN_GROUPS[self.settings.target][1]}={others!r} "
+                    f"(the names to load; empty loads none).")
+        return (f"{error.message}\nIt failed while the target was described; {error.lost_words()}.{hint}\n\n"
+                f"{error.traceback}")
+
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
-        """The settings line; describing the target here makes a bad target a usage error before collection."""
-        return [] if self.is_xdist_worker else [self.settings_line()]
+        """The settings line, and a line per plugin that raised while the target was described (with the
+        architectures it took with it); describing the target here makes a bad target a usage error before
+        collection."""
+        if self.is_xdist_worker:
+            return []
+        return [self.settings_line(), *(
+            f"enginecheck: plugin {e.name!r} of distribution {e.distribution} raised while the target was described "
+            f"(ERROR collecting enginecheck::plugin:{e.name}): {e.lost_words()}"
+            for e in self.description.plugin_errors)]
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_configure_node(self, node: Any) -> None:
@@ -184,6 +204,11 @@ class EngineCheckSession:
         contexts = {entry.architecture: self.contexts(entry, checks) for entry in description.entries}
         if "plugins" in checks:
             contexts = {**self.plugin_contexts(description), **contexts}
+        for error in description.plugin_errors:  # collection errors, as for a test module that fails to import
+            failed = PluginErrorCollector.from_parent(session, name=f"plugin:{error.name}",
+                                                      nodeid=f"enginecheck::plugin:{error.name}",
+                                                      text=self.plugin_error_text(error))
+            items.extend(session.genitems(failed))
         collector = EngineCheckCollector.from_parent(session, name="enginecheck", nodeid="enginecheck",
                                                      contexts=contexts)
         items.extend(session.genitems(collector))

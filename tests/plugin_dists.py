@@ -14,10 +14,11 @@ DATA = Path(__file__).parent / "data"
 PACKAGE = "engine_ref_test_plugins"
 CUDA_PKG = "engine_ref_cudapkg"
 # In file order. "broken" raises, "cuda" initialises CUDA two imports below its module, "warm_only" fails
-# only in a fresh interpreter.
+# only in a fresh interpreter, "half" registers HALF_ARCH and then raises.
 ENTRY_POINTS = {"a": "plugin_a", "broken": "plugin_broken", "b": "plugin_b", "oot": "plugin_oot",
-                "class": "plugin_class", "cuda": "plugin_cuda", "warm_only": "plugin_warm_only"}
+                "class": "plugin_class", "cuda": "plugin_cuda", "warm_only": "plugin_warm_only", "half": "plugin_half"}
 OOT_ARCH = "OotLlamaForCausalLM"
+HALF_ARCH = "HalfRegisteredLlamaForCausalLM"
 CLASS_ARCH = "OotClassLlamaForCausalLM"
 
 

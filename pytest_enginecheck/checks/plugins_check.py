@@ -5,7 +5,11 @@ One item per entry point, ``enginecheck::plugin:<name>::plugins`` (``ctx.plugin`
 name, ``ctx.module`` its module). The target-specific part is a loader: ``LOADERS[spec]`` names a
 module exposing ``list_plugins()`` (entries with ``name``, ``value``, ``distribution``, ``module``),
 ``run_plugin(entry, strict)`` (an outcome with ``accesses``, ``error``, ``traceback``, loaded under the
-guard) and ``run_in_engine_state(entry)`` (``(ok, output, what that state is)``).
+guard), ``load_plugins(strict)`` (every allowed plugin's outcome, with the architectures it ``registered``: the
+target's description) and ``run_in_engine_state(entry)`` (``(ok, output, what that state is)``).
+
+A plugin that raises while the target is described is not an item of this check: it is a collection error
+under its name (see ``targets.PluginError``), as pytest reports a test module that fails to import.
 """
 
 from __future__ import annotations
@@ -53,10 +57,12 @@ def list_plugins() -> list[Any]:
 class PluginOutcome:
     """What loading one plugin under the guard did."""
 
+    entry: Any = None
     accesses: list[CudaAccess] = field(default_factory=list)
     error: BaseException | None = None
     traceback: str = ""
     location: str | None = None
+    registered: tuple[str, ...] = ()  # the architectures it added to (or replaced in) the registry (load_plugins)
 
 
 def run_plugin(entry: Any, strict: bool = False) -> PluginOutcome:
@@ -65,7 +71,7 @@ def run_plugin(entry: Any, strict: bool = False) -> PluginOutcome:
     from engine_ref.plugins import run_plugin as call
 
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # is_available() without cuInit, as in production
-    outcome = PluginOutcome()
+    outcome = PluginOutcome(entry)
     with CudaGuard(strict=strict) as guard:
         try:
             call(entry)
@@ -74,6 +80,23 @@ def run_plugin(entry: Any, strict: bool = False) -> PluginOutcome:
             outcome.error, outcome.traceback, outcome.location = e, failure.traceback, failure.location
     outcome.accesses = sorted(guard.accesses, key=lambda a: a.kind != "init")
     return outcome
+
+
+def load_plugins(strict: bool = False) -> list[PluginOutcome]:
+    """Run every allowed plugin in entry point order, each under the guard (``run_plugin``), keeping what each one
+    registered in engine_ref's ModelRegistry: how the target is described. A failing plugin does not stop the
+    others, as in ``load_general_plugins`` (whose once-per-process state this leaves alone: call it once, in the
+    process that describes the target)."""
+    from engine_ref.model_executor.models.registry import ModelRegistry
+
+    outcomes = []
+    for entry in list_plugins():
+        before = dict(ModelRegistry.models)
+        outcome = run_plugin(entry, strict)
+        outcome.registered = tuple(arch for arch, model in ModelRegistry.models.items()
+                                   if before.get(arch) is not model)
+        outcomes.append(outcome)
+    return outcomes
 
 
 def run_in_engine_state(entry: Any, timeout: float = 60.0) -> tuple[bool, str, str]:
@@ -101,18 +124,32 @@ def _entry(ctx: CheckContext, plugins: Any) -> Any:
     return found[0]
 
 
-def run(ctx: CheckContext) -> dict[str, Any]:
-    plugins = loader(ctx.spec)
-    entry = _entry(ctx, plugins)
-    who = f"{LABELS[ctx.spec]} plugin {entry.name!r} ({entry.value}) of distribution {entry.distribution}"
-    outcome = plugins.run_plugin(entry, strict=ctx.strict)
+def plugin_label(spec: str, entry: Any) -> str:
+    """How a report names a plugin: ``engine_ref plugin 'oot' (pkg.plugin:register) of distribution pkg``."""
+    return f"{LABELS[spec]} plugin {entry.name!r} ({entry.value}) of distribution {entry.distribution}"
+
+
+def loading_failure(spec: str, entry: Any, outcome: Any) -> CheckFailure | None:
+    """What loading ``entry`` under the guard did wrong (``outcome`` from the loader's ``run_plugin``): the CUDA
+    access it made, else the exception it raised; None when it did neither."""
+    who = plugin_label(spec, entry)
     if outcome.accesses:
-        raise cuda_failure(f"Loading {who}", outcome.accesses[0], entry.module)
+        return cuda_failure(f"Loading {who}", outcome.accesses[0], entry.module)
     if outcome.error is not None:
-        raise CheckFailure(
+        return CheckFailure(
             f"Loading {who} raised {type(outcome.error).__name__}: {outcome.error}"
             + (f" at {outcome.location}" if outcome.location else ""),
             {"kind": "plugin_error", "traceback": outcome.traceback})
+    return None
+
+
+def run(ctx: CheckContext) -> dict[str, Any]:
+    plugins = loader(ctx.spec)
+    entry = _entry(ctx, plugins)
+    who = plugin_label(ctx.spec, entry)
+    failure = loading_failure(ctx.spec, entry, plugins.run_plugin(entry, strict=ctx.strict))
+    if failure is not None:
+        raise failure
     ok, output, state = plugins.run_in_engine_state(entry)
     if not ok:
         root = output.strip().splitlines()[-1] if output.strip() else "(no output)"

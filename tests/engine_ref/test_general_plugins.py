@@ -216,21 +216,20 @@ def run_enginecheck(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, 
 
 def test_plugins_check_verdicts(site_dir: Path, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     result, plugins = run_enginecheck(pytester, monkeypatch, site_dir, "a,broken,oot,class,cuda,warm_only,cudapkg",
-                                      "--enginecheck-checks=plugins,import")
+                                      "--enginecheck-checks=plugins,import", "--continue-on-collection-errors")
     assert result.ret == 1  # a failing plugin fails the run
     outcomes = {arch: r["outcome"] for arch, r in plugins.items()}
-    assert outcomes == {"plugin:a": "passed", "plugin:broken": "failed", "plugin:oot": "passed",
-                        "plugin:class": "passed", "plugin:cuda": "failed", "plugin:warm_only": "failed",
-                        "plugin:cudapkg": "passed"}  # a query fails only in strict mode
-    broken = plugins["plugin:broken"]["message"]
-    assert broken.startswith(f"Loading engine_ref plugin 'broken' ({PACKAGE}.plugin_broken:register) of "
-                             f"distribution {PACKAGE} raised RuntimeError: plugin broken on purpose: 9913 at ")
-    assert broken.endswith(BROKEN_LINE)
-    cuda = plugins["plugin:cuda"]
-    assert cuda["detail"]["kind"] == "cuda" and "initialized CUDA: torch.cuda.current_device at " in cuda["message"]
-    assert "cuda_device.py:5" in cuda["message"]
-    assert (f"Import chain: {PACKAGE}.plugin_cuda -> {PACKAGE}.cuda_layers -> {PACKAGE}.cuda_device."
-            in cuda["message"])
+    assert outcomes == {"plugin:a": "passed", "plugin:oot": "passed", "plugin:class": "passed",
+                        "plugin:warm_only": "failed", "plugin:cudapkg": "passed"}  # a query fails only in strict mode
+    # 'broken' and 'cuda' raise while the target is described: collection errors, not items (more in
+    # tests/pytest_enginecheck/test_plugin_errors.py).
+    result.stdout.fnmatch_lines([
+        f"Loading engine_ref plugin 'broken' ({PACKAGE}.plugin_broken:register) of distribution {PACKAGE} raised "
+        f"RuntimeError: plugin broken on purpose: 9913 at *{BROKEN_LINE}",
+        f"Loading engine_ref plugin 'cuda' ({PACKAGE}.plugin_cuda:register) of distribution {PACKAGE} touched CUDA: "
+        "it initialized CUDA: torch.cuda.current_device at *cuda_device.py:5*",
+        f"Import chain: {PACKAGE}.plugin_cuda -> {PACKAGE}.cuda_layers -> {PACKAGE}.cuda_device.",
+        "ERROR enginecheck::plugin:broken", "ERROR enginecheck::plugin:cuda"])
     warm = plugins["plugin:warm_only"]["message"]
     assert "works here but fails in a fresh interpreter" in warm
     assert "AttributeError: module 'engine_ref' has no attribute 'model_executor'" in warm
@@ -254,11 +253,11 @@ def test_plugin_package_init_querying_cuda_fails_strict(site_dir: Path, pytester
 
 def test_default_run_with_a_raising_plugin_is_not_green(site_dir: Path, pytester: pytest.Pytester,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The issue's case: the raising plugin's architecture vanished and the run exited 0."""
-    result, plugins = run_enginecheck(pytester, monkeypatch, site_dir, "a,broken",
-                                      "--enginecheck-checks=plugins,import")
-    assert result.ret == 1 and plugins["plugin:broken"]["outcome"] == "failed"
-    result.stdout.fnmatch_lines(["FAILED enginecheck::plugin:broken::plugins - Loading engine_ref plugin 'broke*"])
+    """The issue's case: the raising plugin's architecture vanished and the run exited 0. Now it is a collection
+    error, and pytest stops as for a test module that fails to import."""
+    result, _ = run_enginecheck(pytester, monkeypatch, site_dir, "a,broken", "--enginecheck-checks=plugins,import")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.stdout.fnmatch_lines(["Loading engine_ref plugin 'broke*", "ERROR enginecheck::plugin:broken"])
 
 
 # -- the README's "Check your own model", run as written ---------------------------------------------
