@@ -1,5 +1,6 @@
 """vLLM target: starting vLLM's engine on CPU ranks the way vLLM does (spawned processes) vs from the
-warm parent (in-process engine core at TP=1, forked external_launcher ranks at TP>1), side by side.
+warm parent (one forked rank running the engine core in it at TP=1, forked external_launcher ranks at TP>1),
+side by side.
 
     python benchmarks/vllm_startup.py [--architecture LlamaForCausalLM] [--tp 1 2] [--repeat 1]
 

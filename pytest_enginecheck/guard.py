@@ -11,10 +11,16 @@ without ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` they run cuInit on GPU hosts, which 
 
 Each access is recorded (even if the caller swallows the exception) with the API, the file and line
 in the caller's code, and the chain of modules being imported at that moment.
+
+A module the warm parent preloaded is never imported again in a check child, so a strict guard there
+could not see the queries its import made: the warm parent records them (``remember_preload_queries``),
+and a strict guard blames each on whatever imports a module of its import chain.
 """
 
 from __future__ import annotations
 
+import builtins
+import importlib.util
 import os
 import re
 import sys
@@ -156,6 +162,19 @@ def libcuda_loaded() -> bool:
         return False
 
 
+# The queries made while the warm parent preloaded modules under a strict guard, under every module of their
+# import chains (a forked check child inherits them).
+_preload_queries: dict[str, list[CudaAccess]] = {}
+
+
+def remember_preload_queries(accesses: list[CudaAccess]) -> None:
+    """Record the queries a strict guard saw while the warm parent preloaded a module: a strict guard in its
+    children blames each on any import of a module of that query's import chain."""
+    for access in accesses:
+        for name in access.chain:
+            _preload_queries.setdefault(name, []).append(access)
+
+
 _holders_cache: dict[tuple[str, ...], list[tuple[Any, str]]] = {}
 
 
@@ -193,11 +212,15 @@ class CudaGuard:
     """While active, any CUDA initialization raises CudaAccessError and is recorded in ``accesses``.
 
     ``strict=True`` also records (without raising) calls of ``torch.cuda.is_available()`` and
-    ``device_count()``. Use as a context manager; it restores torch exactly on exit.
+    ``device_count()``, except those made while a module of ``engine_packages`` is being imported: the engine's
+    own imports are not the model's (vLLM's import queries CUDA through triton, and vLLM sets
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` itself, so in its processes those queries run no cuInit). Use as a
+    context manager; it restores torch exactly on exit.
     """
 
-    def __init__(self, strict: bool = False) -> None:
+    def __init__(self, strict: bool = False, engine_packages: tuple[str, ...] = ()) -> None:
         self.strict = strict
+        self.engine_packages = engine_packages
         self.accesses: list[CudaAccess] = []
         self._saved: list[tuple[Any, str, Any]] = []
 
@@ -222,10 +245,35 @@ class CudaGuard:
         guard = self
 
         def queried(*args: Any, **kwargs: Any) -> Any:
-            guard._record(f"torch.cuda.{name}", "query", sys._getframe(1))
+            access = locate(f"torch.cuda.{name}", "query", sys._getframe(1))
+            if not any(module.partition(".")[0] in guard.engine_packages for module in access.chain):
+                guard.accesses.append(access)
             return original(*args, **kwargs)
 
         return queried
+
+    def _importing(self, original: Any) -> Any:
+        """``builtins.__import__`` that also blames the preload's queries on an import of a preloaded module."""
+        guard = self
+        blamed: set[int] = set()
+
+        def importing(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
+            module = original(name, globals, locals, fromlist, level)
+            if level:
+                try:
+                    name = importlib.util.resolve_name("." * level + name, (globals or {}).get("__package__"))
+                except (ImportError, ValueError):
+                    return module
+            for imported in (name, *(f"{name}.{item}" for item in fromlist or ())):
+                for stored in _preload_queries.get(imported, ()):
+                    if id(stored) not in blamed:
+                        blamed.add(id(stored))
+                        here = locate(stored.api, stored.kind, sys._getframe(1)).chain
+                        guard.accesses.append(CudaAccess(stored.api, stored.kind, stored.file, stored.line, stored.code,
+                                                         [*here, *stored.chain[stored.chain.index(imported):]]))
+            return module
+
+        return importing
 
     def _blocked_class(self, name: str, original: type) -> type:
         guard = self
@@ -269,6 +317,8 @@ class CudaGuard:
             for name in _QUERY_FUNCTIONS:
                 original = getattr(cuda, name)
                 replacements[name] = (original, self._queried(name, original))
+            if _preload_queries:
+                self._set(builtins, "__import__", self._importing(builtins.__import__))
         self._replace_everywhere(replacements)
         self._set(torch.Tensor, "pin_memory", self._blocked("torch.Tensor.pin_memory"))
         return self

@@ -11,3 +11,7 @@
 
 Importing this package imports neither torch nor vLLM.
 """
+
+# The engine's own packages: strict mode does not blame a model for the CUDA queries made while they are imported
+# (see guard.CudaGuard).
+ENGINE_PACKAGES = ("vllm",)

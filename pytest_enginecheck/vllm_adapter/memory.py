@@ -5,14 +5,14 @@ peak of vLLM's own profile run.
 vLLM's CPU backend moves linear weights into packed kernels after loading (the parameters become
 empty), sizes the KV cache from VLLM_CPU_KVCACHE_SPACE and does not profile activations. So weights
 are counted on a meta-device copy built by vLLM's ``initialize_model`` in the rank's own
-tensor-parallel group (exact per-rank shapes, no allocation), and the peak is measured: every tensor
-storage created while ``profile_run`` runs is counted until its last tensor dies (a
-TorchDispatchMode; exact bytes, not RSS).
+tensor-parallel group (exact per-rank shapes, no allocation), and the peak is measured by engine_ref's
+own ActivationTracker (one tracker for both targets): every tensor storage created while ``profile_run``
+runs is counted until its last reference dies (a view of a freed tensor keeps it counted, also under
+``torch.inference_mode``, where vLLM's dummy run runs); exact bytes, not RSS.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -56,29 +56,14 @@ def _flat(value: Any) -> list[Any]:
     return []
 
 
-def activation_peak(fn: Any) -> int:
-    """The peak bytes of tensor storages created while ``fn()`` runs (inputs and weights excluded)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+def activation_peak(fn: Any, existing: Any = ()) -> int:
+    """The peak bytes of tensor storages created while ``fn()`` runs; ``existing`` tensors' storages (weights,
+    buffers, the KV cache) and their views are not counted."""
+    from engine_ref.memory.tracker import ActivationTracker
 
-    live: dict[int, int] = {}
-    peak = 0
-
-    class Tracker(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            nonlocal peak
-            out = func(*args, **(kwargs or {}))
-            for t in _flat(out):
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in live:
-                    live[key] = storage.nbytes()
-                    weakref.finalize(t, live.pop, key, None)
-            peak = max(peak, sum(live.values()))
-            return out
-
-    with Tracker():
+    with ActivationTracker(existing) as tracker:
         fn()
-    return peak
+    return tracker.peak_bytes
 
 
 def _meta_model(vllm_config: Any) -> Any:
@@ -106,7 +91,8 @@ def rank_memory(worker: Any) -> dict[str, Any]:
     model = _meta_model(worker.vllm_config)
     spec = worker.get_kv_cache_spec()
     one_request = sum(s.max_memory_usage_bytes(worker.vllm_config) for s in spec.values())
-    peak = activation_peak(runner.profile_run)
+    kv_caches = _flat(runner.kv_caches)
+    peak = activation_peak(runner.profile_run, [*runner.model.parameters(), *runner.model.buffers(), *kv_caches])
     return RankMemory(rank=worker.rank, weights=_bytes(model.parameters()),
                       buffers=_bytes(model.buffers()), activation_peak=peak,
-                      kv_cache=_storage_bytes(_flat(runner.kv_caches)), kv_one_request=one_request).to_dict()
+                      kv_cache=_storage_bytes(kv_caches), kv_one_request=one_request).to_dict()

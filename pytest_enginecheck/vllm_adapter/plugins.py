@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 
 from pytest_enginecheck.guard import CudaAccess, CudaGuard
+from pytest_enginecheck.vllm_adapter import ENGINE_PACKAGES
 from pytest_enginecheck.vllm_adapter.probe import probe
 
 
@@ -40,6 +41,7 @@ class PluginOutcome:
     error: BaseException | None = None
     traceback: str = ""
     location: str | None = None  # "file:line" of the plugin's own frame that raised
+    registered: tuple[str, ...] = ()  # the architectures it added to (or replaced in) vLLM's registry (load_plugins)
 
     @property
     def ok(self) -> bool:
@@ -80,7 +82,7 @@ def run_plugin(entry: PluginEntry, strict: bool = False) -> PluginOutcome:
     (ep,) = [ep for ep in entry_points(group=probe().plugins_group) if ep.name == entry.name
              and ep.value == entry.value]
     outcome = PluginOutcome(entry)
-    with CudaGuard(strict=strict) as guard:
+    with CudaGuard(strict=strict, engine_packages=ENGINE_PACKAGES) as guard:
         try:
             ep.load()()
         except BaseException as e:  # noqa: BLE001 - reported as the plugin's failure
@@ -95,11 +97,17 @@ _loaded: list[PluginOutcome] | None = None
 
 
 def load_plugins(strict: bool = False) -> list[PluginOutcome]:
-    """Run every allowed plugin once per process, each under the guard; failures are kept, not raised
-    (the ``plugins`` check reports them; the other plugins' architectures stay listed)."""
+    """Run every allowed plugin once per process, each under the guard, keeping what each one registered;
+    failures are kept, not raised (the description reports them; the other plugins' architectures stay listed)."""
     global _loaded
     if _loaded is None:
-        _loaded = [run_plugin(entry, strict) for entry in list_plugins()]
+        _loaded = []
+        models = probe().registry.models
+        for entry in list_plugins():
+            before = dict(models)
+            outcome = run_plugin(entry, strict)
+            outcome.registered = tuple(arch for arch, model in models.items() if before.get(arch) is not model)
+            _loaded.append(outcome)
     return _loaded
 
 

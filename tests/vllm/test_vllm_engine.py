@@ -56,7 +56,7 @@ def _check(name: str, workdir: str, architecture: str, tp: int = 1, budget: str 
 
     from pytest_enginecheck.vllm_adapter.checks import CHECK_FUNCTIONS
 
-    os.environ["VLLM_PLUGINS"] = "clean,bad_shard,hungry"
+    os.environ["VLLM_PLUGINS"] = "clean,bad_shard,hungry,workspace,workspace_view"
     try:
         return CHECK_FUNCTIONS[name](_ctx(workdir, architecture, name, tp, budget))
     except CheckFailure as e:
@@ -88,6 +88,23 @@ def test_budget_says_what_a_rank_needs(in_child: Any, tmp_path: Any, architectur
     assert isinstance(result, str), result
     assert result.startswith(f"{architecture} at tensor_parallel_size=1: rank 0 needs 32.")
     assert "buffers 32.03 MiB" in result and "but the budget is 16MiB" in result
+
+
+@pytest.mark.parametrize("architecture, fits", [("EctpWorkspaceForCausalLM", True),
+                                                ("EctpWorkspaceViewForCausalLM", False)])
+def test_budget_counts_a_workspace_a_view_keeps_alive(in_child: Any, tmp_path: Any, architecture: str,
+                                                      fits: bool) -> None:
+    """Layer 1 frees a 12 MiB workspace but keeps a view of it while it allocates 12 MiB more (plugin_dist):
+    under vLLM's inference_mode dummy run the storage counts until the view dies, so the peak is > 24 MiB."""
+    result = in_child(_check, "budget", str(tmp_path), architecture, 1, "16MiB")
+    if fits:
+        assert isinstance(result, dict), result
+        (rank,) = result["memory_per_rank"]
+        assert 12 * 2**20 < rank["activation_peak"] < 13 * 2**20, rank
+        return
+    assert isinstance(result, str), result
+    assert result.startswith(f"{architecture} at tensor_parallel_size=1: rank 0 needs 24.")
+    assert "activations 24." in result and "but the budget is 16MiB" in result
 
 
 def test_startup_tp2_leaves_nothing_behind(in_child: Any, tmp_path: Any) -> None:

@@ -35,20 +35,23 @@ def vllm_run(pytester: pytest.Pytester, plugin_site: Path, tmp_path_factory: pyt
 
 def test_plugins_import_and_inspect_verdicts(vllm_run: Any) -> None:
     result, by_item = vllm_run("clean,cuda_chain,class_registered,raising,cudapkg", "--enginecheck-strict",
-                               "--enginecheck-checks=plugins,import,inspect", "-k", "Ectp or plugin")
+                               "--enginecheck-checks=plugins,import,inspect", "-k", "Ectp or plugin",
+                               "--continue-on-collection-errors")
     outcomes = {item: r["outcome"] for item, r in by_item.items()}
     assert outcomes == {
         ("plugin:clean", "plugins"): "passed", ("plugin:cuda_chain", "plugins"): "passed",
-        ("plugin:class_registered", "plugins"): "passed", ("plugin:raising", "plugins"): "failed",
-        ("plugin:cudapkg", "plugins"): "failed",
+        ("plugin:class_registered", "plugins"): "passed", ("plugin:cudapkg", "plugins"): "failed",
         ("EctpCleanForCausalLM", "import"): "passed", ("EctpCleanForCausalLM", "inspect"): "passed",
         ("EctpClassForCausalLM", "import"): "passed", ("EctpClassForCausalLM", "inspect"): "passed",
         ("EctpCudaForCausalLM", "import"): "failed", ("EctpCudaForCausalLM", "inspect"): "skipped",
     }, result.stdout.str()
     assert result.ret == 1
-    raising = by_item["plugin:raising", "plugins"]["message"]
-    assert raising.startswith(f"Loading vLLM plugin 'raising' (ectp.entry:register_raising) of distribution {DIST} "
-                              f"raised RuntimeError: ectp: the raising plugin cannot find its configuration at ")
+    # A plugin that raises while the target is described is a collection error under its name, not an item.
+    result.stdout.fnmatch_lines([
+        f"Loading vLLM plugin 'raising' (ectp.entry:register_raising) of distribution {DIST} raised RuntimeError: "
+        "ectp: the raising plugin cannot find its configuration at *",
+        "It failed while the target was described; it registered no architecture before it raised*",
+        "*, 1 error in *"])  # -rfs leaves errors out of the short summary
     cudapkg = by_item["plugin:cudapkg", "plugins"]["message"]
     assert "queried CUDA" in cudapkg and "ectp_cudapkg/__init__.py:3" in cudapkg and CUDA_PKG_DIST in cudapkg
     cuda = by_item["EctpCudaForCausalLM", "import"]["message"]

@@ -1,0 +1,36 @@
+"""The vLLM tier cannot go green having run nothing: where vLLM is missing (this venv), its tests skip,
+unless ``ENGINECHECK_REQUIRE_VLLM=1`` (the README's ``# vLLM tier`` command sets it) makes that an error."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+TIER_FILE = Path(__file__).parents[1] / "vllm" / "test_vllm_registry.py"
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
+                                reason="vLLM is importable here: the tier runs instead of skipping")
+
+
+def test_the_tier_skips_without_vllm(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ENGINECHECK_REQUIRE_VLLM", raising=False)
+    result = pytester.runpytest_subprocess(str(TIER_FILE), "-p", "no:cacheprovider", "-q")
+    assert result.ret == pytest.ExitCode.OK
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("skipped", 0) > 0 and set(outcomes) <= {"skipped"}, outcomes
+
+
+def test_a_missing_vllm_is_an_error_where_the_tier_requires_it(pytester: pytest.Pytester,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ENGINECHECK_REQUIRE_VLLM", "1")
+    result = pytester.runpytest_subprocess(str(TIER_FILE), "-p", "no:cacheprovider", "-q")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: ENGINECHECK_REQUIRE_VLLM=1 but vLLM is not importable by *"])
+
+
+def test_the_readme_tier_command_requires_vllm() -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text().splitlines()
+    command = readme[readme.index("# vLLM tier") + 1]  # the line .ci/run's readme_command runs
+    assert "ENGINECHECK_REQUIRE_VLLM=1 " in command and "tests/vllm" in command
