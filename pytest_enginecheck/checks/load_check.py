@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 SEEDS = (0, 1)  # the engine's default seed, and the determinism run's other one
 DIAGNOSIS_MARGIN_S = 2.0  # of --enginecheck-timeout, kept for reporting after a diagnosis that timed out
 MIN_DIAGNOSIS_S = 5.0  # less left than this: the diagnosis is not run
+BUILD_CUDA_HINT = ("Take the device from the engine (the device of the layer's parameters or of its input) instead "
+                   "of asking torch.cuda while the model is built, or run with PYTORCH_NVML_BASED_CUDA_CHECK=1 so a "
+                   "query uses NVML instead of cuInit.")
 HINT = "Hint: check the weight_loader and the collectives of the layers this model changed."
 
 
@@ -87,13 +90,21 @@ def verify_deterministic(ctx: CheckContext, ckpt: Any, reference: list[list[int]
 
 def verify_kv_cache(ctx: CheckContext, ckpt: Any, outputs: list[list[int]]) -> dict[str, Any]:
     """Fail when a token the engine generated with the KV cache is not what recomputing its prefix without the
-    cache gives (kv_consistency); return the run's detail."""
+    cache gives (kv_consistency), or when that TP=1 build touches CUDA (strict: queries it); return the run's
+    detail."""
     from pytest_enginecheck.checks import kv_consistency
 
     vocab_prompts = [reference_prompt(ckpt, i) for i in range(len(outputs))]
-    mismatch = kv_consistency.first_kv_mismatch(ctx.spec, ckpt, vocab_prompts, outputs, seed=SEEDS[0])
+    mismatch = kv_consistency.first_kv_mismatch(ctx.spec, ckpt, vocab_prompts, outputs, seed=SEEDS[0],
+                                                strict=ctx.strict)
     if mismatch is None:
         return {"kv_cache_equals_recompute": True}
+    if "cuda_access" in mismatch:  # the engine's workers build it unguarded: its own TP=1 build tells
+        access = mismatch["cuda_access"]
+        verb = "queries CUDA" if access.kind == "query" else "touches CUDA"
+        raise CheckFailure(f"{ctx.architecture} imports cleanly but {verb} while it is built and loaded: it "
+                           f"{access.describe()}\n{BUILD_CUDA_HINT}",
+                           {**access.to_dict(), "kind": "cuda_build", "access": access.kind})
     raise CheckFailure(kv_consistency.describe(ctx.architecture, mismatch, vocab_prompts),
                        {"kind": "kv_cache_mismatch", "outputs": outputs, **mismatch})
 
@@ -142,13 +153,18 @@ def run(ctx: CheckContext) -> dict[str, Any]:
 
 
 def verify_same_forward(ctx: CheckContext, ckpt: Any, i: int) -> dict[str, Any]:
-    """Fail when TP=N's greedy tokens equal TP=1's but one hooked prefill of prompt ``i`` does not give TP=1's
-    output in some module (tp_diagnosis.compare, within its float32 tolerance); return the run's detail.
+    """Fail when TP=N's greedy tokens equal TP=1's but one hooked prefill of prompt ``i`` does not end in TP=1's
+    hidden states (the output of the module that finishes last, whole on every rank, within tp_diagnosis's float32
+    tolerance); then tp_diagnosis names the first module that differs. Return the run's detail.
 
     Equal tokens are a weak oracle for a tiny model, whose output distribution is nearly flat: a sharding bug that
-    keeps every greedy token (a shard scaled by 1.01) still changes what the modules compute. Two hooked forwards
-    (TP=1 and TP=N, one prompt) cost less than one engine start."""
-    from pytest_enginecheck.checks.tp_diagnosis import capture, compare, explain_tp
+    keeps every greedy token (a shard scaled by 1.01) still changes what the model computes. Only the final output
+    decides, not every module's: a module whose rank outputs the diagnosis puts back together by their shapes alone
+    (a per-head norm over flattened heads) can look different when it is not. Two hooked forwards (TP=1 and TP=N,
+    one prompt) cost less than one engine start."""
+    import torch
+
+    from pytest_enginecheck.checks.tp_diagnosis import ATOL, RTOL, capture, explain_tp
     from pytest_enginecheck.multirank import run_multirank
 
     prompt, timeout = reference_prompt(ckpt, i), max(10.0, ctx.timeout * 0.4)
@@ -157,17 +173,25 @@ def verify_same_forward(ctx: CheckContext, ckpt: Any, i: int) -> dict[str, Any]:
         ranks = run_multirank(capture, ctx.tp, ctx.spec, str(ckpt), prompt, timeout=timeout)
     except Exception as e:  # noqa: BLE001 - the tokens agreed; the detail says why the forwards were not compared
         return {"forward_not_compared": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"}
-    if one.error is not None:
-        return {"forward_not_compared": f"the hooked forward at tensor_parallel_size=1 raised {one.error}"}
-    differs = compare(one, ranks).differs
-    if differs is None:
-        return {"forward_compared_prompt": i}
+    failed = one.error or next((r.error for r in ranks if r.error is not None), None)
+    last = one.order[-1] if one.order else None
+    if failed is not None or last is None or any(last not in r.outputs for r in ranks):
+        return {"forward_not_compared": f"the hooked forward raised {failed}" if failed else
+                f"no rank output of {last or 'any module'} was captured"}
+    full = one.outputs[last].float()
+    parts = [r.outputs[last].float() for r in ranks]
+    if any(p.shape != full.shape for p in parts):
+        return {"forward_not_compared": f"{last}'s output is not whole on every rank"}
+    difference = max(float((p - full).abs().max()) for p in parts) if full.numel() else 0.0
+    if all(torch.allclose(p, full, atol=ATOL, rtol=RTOL) for p in parts):
+        return {"forward_compared": last, "forward_max_difference": difference}
     diagnosis = explain_tp(one, ranks, ctx.tp)
     raise CheckFailure(
         f"At tensor_parallel_size={ctx.tp}, {ctx.architecture} generates the same greedy tokens as at "
-        f"tensor_parallel_size=1, but not the same forward (prompt {i}, its prefill with every module hooked). "
-        f"{diagnosis.text}",
-        {"kind": "tp_mismatch", "tensor_parallel_size": ctx.tp, "module": differs, "diagnosis": diagnosis.text})
+        f"tensor_parallel_size=1, but other hidden states: {last}'s output in the prefill of prompt {i} differs by "
+        f"{difference:.3g} (max abs), above the tolerance {ATOL:g} + {RTOL:g} |x|. {diagnosis.text}",
+        {"kind": "tp_mismatch", "tensor_parallel_size": ctx.tp, "module": diagnosis.module,
+         "forward_max_difference": difference, "diagnosis": diagnosis.text})
 
 
 def reference_prompt(ckpt: Any, i: int) -> list[int]:

@@ -13,7 +13,8 @@ the dequantized twin, and must produce its logits up to float rounding (``oracle
 - ``quantization=METHOD`` at TP=1 (converting the unquantized checkpoint at startup; its scales equal the
   twin's by construction) against the dequantized twin at TP=1;
 - the pre-quantized twin at TP=N (each rank loading its shard of weights and scales) against the
-  dequantized twin at TP=N.
+  dequantized twin at TP=N, once that twin is shown to give its TP=1 logits (else the unquantized model's own TP
+  bug, load[tp=N]'s finding, is reported as such: a quantized engine cannot be judged against a wrong oracle).
 On a difference the weights each rank's quant method dequantizes are compared with the oracle's, naming
 the weight that differs (a scale loaded, sharded or fixed up wrongly), or saying that none does (a layer
 computes with something other than its quant method's weight).
@@ -229,6 +230,22 @@ def check_oracle(ctx: CheckContext, engine: str, run: EngineRun, oracle: EngineR
             {"name": n, "rank": r, "relative_error": e, "ratio": q} for n, r, e, q in weights]})
 
 
+def verify_oracle_across_tp(ctx: CheckContext, oracle: EngineRun, oracle_tp1: EngineRun, tolerance: float,
+                            detail: dict[str, Any]) -> None:
+    """CheckFailure unless the unquantized engine on deq(W) at TP=N gives its TP=1 logits within ``tolerance`` (a
+    TP split only reorders sums, which the tolerance covers): otherwise the TP=N oracle itself is wrong, the
+    unquantized model's TP bug (load[tp=N]'s finding), and the quantized engine cannot be judged against it."""
+    difference = largest_difference(oracle.logits, oracle_tp1.logits)
+    detail["oracle_difference"][f"dequantized_tp{ctx.tp}"] = difference.relative
+    if difference.relative > tolerance:
+        raise CheckFailure(
+            f"The unquantized engine loaded with the dequantized weights deq(W) of {ctx.architecture} at "
+            f"tensor_parallel_size={ctx.tp} does not produce its logits at tensor_parallel_size=1: they differ by "
+            f"{difference.describe()}, above the float-rounding tolerance {tolerance:.3g}. The unquantized model "
+            f"itself differs between TP sizes (see load[tp={ctx.tp}]), so its {ctx.quantization} weights at "
+            f"tensor_parallel_size={ctx.tp} cannot be judged against it.", {**detail, "kind": "tp_mismatch"})
+
+
 def run(ctx: CheckContext) -> dict[str, Any]:
     from engine_ref.config import ModelConfig
     from engine_ref.memory.compare import compare_with_report
@@ -261,7 +278,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     check_oracle(ctx, "converted_tp1", converted, oracle, tolerance, dtype, detail)
     sharded = run_engine(ctx, prequantized, ctx.tp)
     if ctx.tp > 1:
-        oracle = run_engine(ctx, dequantized, ctx.tp, weight_names=names)
+        oracle_tp1, oracle = oracle, run_engine(ctx, dequantized, ctx.tp, weight_names=names)
+        verify_oracle_across_tp(ctx, oracle, oracle_tp1, tolerance, detail)
     check_oracle(ctx, f"prequantized_tp{ctx.tp}", sharded, oracle, tolerance, dtype, detail)
     detail.update({
         "weight_bytes_per_rank": [w.memory.weights for w in sharded.report.workers],
