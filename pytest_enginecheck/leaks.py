@@ -75,21 +75,29 @@ def unowned_shm_entries(ours: set[int] | None = None) -> set[str]:
     holds open or mapped: /dev/shm is machine-wide, and a segment another program is using (torch's
     ``psm_*``, multiprocessing's ``sem.mp-*``) is not this engine's leak; a leaked one is held by no one."""
     ours = {os.getpid(), *descendants(os.getpid())} if ours is None else ours
-    entries = _listdir("/dev/shm")
-    held: set[str] = set()
-    for pid in (int(e) for e in os.listdir("/proc") if e.isdigit()):
+    entries = _inodes("/dev/shm")
+    held: set[int] = set()  # by inode: glibc's sem_open maps a temp file and links it to its name afterwards, so
+    for pid in (int(e) for e in os.listdir("/proc") if e.isdigit()):  # maps shows the temp name, never that one
         if pid in ours:
             continue
         try:
             with open(f"/proc/{pid}/maps") as f:
-                held.update(line.rsplit("/dev/shm/", 1)[1].split(" ")[0] for line in f if "/dev/shm/" in line)
+                held.update(int(line.split()[4]) for line in f if "/dev/shm/" in line)
             for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("/dev/shm/"):
-                    held.add(target[len("/dev/shm/"):])
-        except OSError:  # gone, or not ours to read
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
+                    held.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+        except (OSError, ValueError, IndexError):  # gone, or not ours to read
             continue
-    return entries - held
+    return {name for name, inode in entries.items() if inode not in held}
+
+
+def _inodes(path: str) -> dict[str, int]:
+    """The entries of directory ``path`` by name, with their inode numbers."""
+    found = {}
+    for name in _listdir(path):
+        with contextlib.suppress(OSError):  # removed meanwhile
+            found[name] = os.stat(os.path.join(path, name), follow_symlinks=False).st_ino
+    return found
 
 
 def _listdir(path: str) -> set[str]:

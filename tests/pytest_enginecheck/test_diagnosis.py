@@ -37,7 +37,7 @@ def test_every_tp1_load_passes_and_every_tp2_fails(load_results: tuple[str, dict
     stdout, tp2 = load_results
     archs = ["BadShardLlamaForCausalLM", "RowAsColumnLlamaForCausalLM", "NoAllReduceLlamaForCausalLM"]
     assert {arch: tp2[arch]["outcome"] for arch in archs} == dict.fromkeys(archs, "failed")
-    assert "3 failed" in stdout
+    assert "3 failed" in stdout, stdout
 
 
 def test_a_build_failing_only_at_tp2_fails_once(load_results: tuple[str, dict[str, dict]]) -> None:

@@ -118,7 +118,10 @@ def test_a_correct_model_passes(quant_run: tuple[str, dict[tuple[str, str], dict
         d = r["detail"]
         tp = d["tensor_parallel_size"]
         assert (d["quantization"], tp) == (item[6:item.index(",")], int(item[-2]))
-        assert set(d["oracle_difference"].values()) == {0.0}, d["oracle_difference"]
+        quantized = {engine: v for engine, v in d["oracle_difference"].items() if not engine.startswith("dequantized")}
+        assert quantized == {"converted_tp1": 0.0, f"prequantized_tp{tp}": 0.0}, d["oracle_difference"]
+        # the TP=N oracle against TP=1: only the summation order differs, far inside the tolerance
+        assert d["oracle_difference"].get(f"dequantized_tp{tp}", 0.0) < d["oracle_tolerance"] / 100
         assert 0 < max(d["logits_error"].values()) <= d["tolerance"] < 1
         assert len(d["weight_bytes_per_rank"]) == tp and d["bytes_read_per_rank"] == d["weight_bytes_per_rank"]
         assert sum(d["weight_bytes_per_rank"]) < d["unquantized_weight_bytes"] / 2
