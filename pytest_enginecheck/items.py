@@ -50,6 +50,12 @@ class CheckItem(pytest.Item):
         self.roots: Mapping[str, tuple[str, CheckContext]] = {}
         self.known: MutableMapping[str, CheckResult] = {}
         self.add_marker("enginecheck")
+        ranks = max(ctx.tp_sizes) if ctx.check == "startup" else ctx.tp  # startup runs at the largest TP size
+        if ranks > 1 and self.config.pluginmanager.hasplugin("xdist"):
+            # pytest-xdist's --dist loadgroup runs the items of one group in one worker, one at a time: at most one
+            # multi-rank engine runs at once, so -n W starts at most W - 1 + max(TP) ranks (the group names no rank
+            # count, so node ids, and pytest-split's durations, do not depend on --enginecheck-tp).
+            self.add_marker(pytest.mark.xdist_group("enginecheck-multirank"))
 
     def depend_on(self, roots: Mapping[str, tuple[str, CheckContext]], known: MutableMapping[str, CheckResult]
                   ) -> None:

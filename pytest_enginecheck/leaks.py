@@ -4,6 +4,7 @@ listening sockets, temp-dir entries, shared-memory segments. Read from /proc (Li
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import tempfile
 import time
@@ -155,3 +156,16 @@ def wait_for_no_leaks(before: ResourceSnapshot, timeout_s: float = 3.0, ignore_r
         if not leaks or time.monotonic() > deadline:
             return leaks
         time.sleep(0.05)
+
+
+def watch_only_this_engine(workdir: str) -> None:
+    """Make what this check process and its workers leave behind findable, and only that.
+
+    A private temp dir: the shared one also receives other processes' entries (another xdist
+    worker's engines, other jobs). Child subreaper: a process a worker started and left running
+    is re-parented to this process instead of init, so it is still found among our descendants.
+    """
+    os.environ["TMPDIR"] = tempfile.mkdtemp(dir=workdir, prefix=".startup-tmp-")
+    tempfile.tempdir = None
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER (Linux)

@@ -11,7 +11,8 @@ from typing import Literal
 
 import pytest
 
-from pytest_enginecheck.checks import CHECKS, TP_CHECKS
+from pytest_enginecheck.checks import CHECK_SPECS, CHECKS, TP_CHECKS
+from pytest_enginecheck.targets import DEFAULT_TARGET, TARGETS_GROUP
 
 SUMMARIES = ("all", "failures", "none")
 INSPECT_MODES = ("fork", "subprocess")
@@ -21,9 +22,11 @@ BUDGET_MAX_MODEL_LEN = 128
 QUANT_METHODS = ("fp8", "int8")
 
 HELP = {
-    "enginecheck": "check every registered architecture of the target engine (import, inspect, load, budget, startup)",
-    "target": "engine to check: 'engine_ref' (bundled zoo), 'vllm', or 'module:attribute' naming a mapping "
-              "of architecture -> 'module:Class' or an engine_ref ModelRegistry",
+    "enginecheck": f"check every registered architecture of the target engine: {', '.join(CHECKS)} (those the target "
+                   f"offers)",
+    "target": f"engine to check: an installed target's name (entry points of {TARGETS_GROUP}; default "
+              f"{DEFAULT_TARGET}, the bundled zoo), or 'module:attribute' naming a mapping of architecture -> "
+              f"'module:Class' or an engine_ref ModelRegistry",
     "checks": f"comma-separated checks to run (default: all that apply to the target): {','.join(CHECKS)}",
     "tp": f"comma-separated tensor parallel sizes: one item per size for each of the {', '.join(TP_CHECKS)} checks; "
           "startup uses the largest that splits the model (default: 1,2)",
@@ -48,15 +51,26 @@ HELP = {
                "interpreter per architecture (full fidelity, ~15 s each) (default: fork)",
     "trace": "write a Chrome trace-event JSON of every engine start the checks make into this directory (one "
              "track per rank; open it in https://ui.perfetto.dev or chrome://tracing)",
+    "import_profile": "print, per architecture, the N modules its import spent the most time in (self time, with the "
+                      "chain that pulled each in), then the N that cost the most summed over all architectures",
 }
+HELP["html"] = ("write a self-contained HTML report to this path: the architecture x check grid (a cell opens its "
+                "message, detail and phase timings) and the budget items' memory per rank; it must be writable")
 
 
 def _add(group: pytest.OptionGroup, parser: pytest.Parser, name: str,
          ini_type: Literal["string", "bool"] = "string", **kwargs: object) -> None:
     flag = "--enginecheck" if name == "enginecheck" else f"--enginecheck-{name.replace('_', '-')}"
     dest = "enginecheck" if name == "enginecheck" else f"enginecheck_{name}"
-    group.addoption(flag, dest=dest, help=HELP[name], **kwargs)
-    parser.addini(dest, help=HELP[name], type=ini_type, default=None)
+    group.addoption(flag, dest=dest, help=option_help(name), **kwargs)
+    parser.addini(dest, help=option_help(name), type=ini_type, default=None)
+
+
+def option_help(name: str) -> str:
+    """The option's help, ending with the checks that read it (from CHECK_SPECS)."""
+    readers = [spec.name for spec in CHECK_SPECS if name in spec.options]
+    return HELP[name] + (f"; read by the {', '.join(readers)} check{'s' if len(readers) > 1 else ''}" if readers
+                         else "")
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -76,6 +90,8 @@ def add_options(parser: pytest.Parser) -> None:
     _add(group, parser, "quant", metavar="METHODS")
     _add(group, parser, "trace", metavar="DIR")
     _add(group, parser, "inspect", choices=INSPECT_MODES)
+    _add(group, parser, "html", metavar="PATH")
+    _add(group, parser, "import_profile", metavar="N")
 
 
 @dataclass(frozen=True)
@@ -97,6 +113,8 @@ class Settings:
     quant_methods: tuple[str, ...] = QUANT_METHODS
     trace_dir: str | None = None  # ENGINE_REF_TRACE_DIR of the check children's engines
     inspect_mode: str = "fork"  # the vLLM target's inspect check: INSPECT_MODES
+    html_path: str | None = None  # --enginecheck-html: the self-contained HTML report (html_report.py)
+    import_profile: int = 0  # modules per architecture the import profile prints (0: no profile printed)
 
 
 def _get(config: pytest.Config, dest: str) -> object:
@@ -165,18 +183,26 @@ def _csv(value: object) -> list[str]:
 
 
 def _quant_methods(config: pytest.Config) -> tuple[str, ...]:
-    """The quant check's methods: known to engine_ref's quantization, at least one."""
+    """The quant check's methods, at least one (the target says which it knows: ``Target.check_settings``)."""
     value = _get(config, "enginecheck_quant")
     if not value:
         return QUANT_METHODS
-    from engine_ref.model_executor.layers.quantization import QUANTIZATION_METHODS
-
     methods = tuple(dict.fromkeys(_csv(value)))
-    unknown = [m for m in methods if m not in QUANTIZATION_METHODS]
-    if unknown or not methods:
-        raise _usage_error(config, "enginecheck_quant", f"unknown method(s) {', '.join(unknown) or '(none given)'}; "
-                                                        f"choose from {','.join(QUANTIZATION_METHODS)}")
+    if not methods:
+        raise _usage_error(config, "enginecheck_quant", "give at least one method, e.g. fp8,int8")
     return methods
+
+
+def _import_profile(config: pytest.Config) -> int:
+    """``--enginecheck-import-profile``: how many modules to print per architecture, 0 (the default) for none."""
+    raw = _get(config, "enginecheck_import_profile")
+    try:
+        value = int(str(raw)) if raw not in (None, "") else 0
+    except ValueError:
+        raise _usage_error(config, "enginecheck_import_profile", "give a number of modules, e.g. 10") from None
+    if value < 0:
+        raise _usage_error(config, "enginecheck_import_profile", "give a number of modules, e.g. 10")
+    return value
 
 
 def resolve_settings(config: pytest.Config) -> Settings:
@@ -202,7 +228,7 @@ def resolve_settings(config: pytest.Config) -> Settings:
         raise _usage_error(config, "enginecheck_inspect", f"choose from {', '.join(INSPECT_MODES)}")
     return Settings(
         enabled=bool(_get(config, "enginecheck")),
-        target=str(_get(config, "enginecheck_target") or "engine_ref"),
+        target=str(_get(config, "enginecheck_target") or DEFAULT_TARGET),
         checks=checks,
         tp_sizes=tp_sizes,
         timeout=_number(config, "enginecheck_timeout", 120.0, float, "give a finite positive number of seconds"),
@@ -219,4 +245,6 @@ def resolve_settings(config: pytest.Config) -> Settings:
         trace_dir=(os.path.abspath(str(_get(config, "enginecheck_trace")))
                    if _get(config, "enginecheck_trace") else None),
         inspect_mode=inspect_mode,
+        import_profile=_import_profile(config),
+        html_path=_writable_file(config, "enginecheck_html"),
     )

@@ -1,4 +1,4 @@
-"""The summary table (architecture x check) and the JSON report."""
+"""The summary table (architecture x check), the ModelInfo cache line, the import profiles and the JSON report."""
 
 from __future__ import annotations
 
@@ -12,7 +12,12 @@ from pytest_enginecheck.checks import CHECKS
 
 REPORT_VERSION = 1
 _CELL = {"passed": "ok", "failed": "FAIL", "skipped": "skip"}
+PLUGIN_ROW = "plugin:"  # the prefix of the plugins check's rows
 LARGE = 400  # architectures from which the table lists failures first (and, by default, only them)
+# engine_ref.model_executor.models.registry.CACHE_OUTCOMES: a result's detail["cache"] counts lookups by these
+CACHE_OUTCOMES = ("memory", "disk", "missing", "source_changed", "format_version", "no_source", "corrupt")
+_STALE = {"missing": "missing", "source_changed": "source changed", "format_version": "format version",
+          "no_source": "no source file"}
 
 
 def _check_order(check: str) -> tuple[int, str]:
@@ -53,21 +58,110 @@ def summary_table(results: list[dict[str, Any]], mode: str = "all", others: Mapp
     counts = {outcome: sum(r["outcome"] == outcome for r in results) for outcome in _CELL}
     dependent = sum(r["outcome"] == "skipped" and r["detail"].get("kind") == "dependency" for r in results)
     because = f" ({dependent} because a check they depend on failed)" if dependent else ""
-    line = (f"{len(archs)} architectures: {counts['passed']} passed, {counts['failed']} failed, "
+    plugins = sum(a.startswith(PLUGIN_ROW) for a in archs)  # the plugins check's rows: enginecheck::plugin:<name>
+    subjects = f"{len(archs) - plugins} architecture{'s' if len(archs) - plugins != 1 else ''}" + (
+        f" and {plugins} plugin{'s' if plugins != 1 else ''}" if plugins else "")
+    line = (f"{subjects}: {counts['passed']} passed, {counts['failed']} failed, "
             f"{counts['skipped']} skipped{because}")
     rest = ", ".join(f"{n} {outcome}" for outcome, n in (others or {}).items() if n)
     lines.append(f"{line}; other tests: {rest}" if rest else line)
+    unknown = cache_unknown(results)
+    if any(isinstance(r["detail"].get("cache"), dict) for r in results):
+        lines.append(cache_line(cache_totals(results), unknown))
+    elif unknown:
+        lines.append(f"ModelInfo cache: cannot tell ({'; '.join(unknown)})")
+    return lines
+
+
+def cache_unknown(results: list[dict[str, Any]]) -> list[str]:
+    """Why the cache's outcome of some lookups is unknown: the results whose ``detail["cache"]`` is a sentence
+    instead of counts (a target that cannot read its engine's cache), each reason once."""
+    return list(dict.fromkeys(r["detail"]["cache"] for r in results if isinstance(r["detail"].get("cache"), str)))
+
+
+def cache_totals(results: list[dict[str, Any]]) -> dict[str, int]:
+    """The ModelInfo lookups of the run by outcome (CACHE_OUTCOMES): each result's ``detail["cache"]``, summed."""
+    totals = dict.fromkeys(CACHE_OUTCOMES, 0)
+    for r in results:
+        counts = r["detail"].get("cache")
+        if isinstance(counts, dict):
+            for outcome in CACHE_OUTCOMES:
+                totals[outcome] += int(counts.get(outcome, 0))
+    return totals
+
+
+def cache_line(totals: dict[str, int], unknown: list[str] | None = None) -> str:
+    """``ModelInfo cache: 3 from memory, 410 from disk, 2 inspected (1 missing, 1 source changed), 0 corrupt``.
+
+    "inspected": lookups no usable entry answered, by reason; corrupt entries are inspected too, counted apart.
+    ``unknown``: why some lookups could not be told (``cache_unknown``), appended.
+    """
+    reasons = [f"{totals[k]} {words}" for k, words in _STALE.items() if totals.get(k)]
+    inspected = sum(totals.get(k, 0) for k in _STALE)
+    why = f" ({', '.join(reasons)})" if reasons else ""
+    line = (f"ModelInfo cache: {totals.get('memory', 0)} from memory, {totals.get('disk', 0)} from disk, "
+            f"{inspected} inspected{why}, {totals.get('corrupt', 0)} corrupt")
+    return f"{line}; cannot tell the rest ({'; '.join(unknown)})" if unknown else line
+
+
+def _import_results(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The import checks' results that carry ``detail["import_profile"]``, by architecture."""
+    profiled = [r for r in results if r["check"] == "import" and isinstance(r["detail"].get("import_profile"), list)]
+    return sorted(profiled, key=lambda r: r["arch"])
+
+
+def _module_line(entry: dict[str, Any]) -> str:
+    chain = entry.get("chain") or []
+    via = f"  (chain: {' -> '.join(chain)})" if len(chain) > 1 else ""
+    return f"  {entry['self_s']:8.3f} s  {entry['cumulative_s']:8.3f} s  {entry['module']}{via}"
+
+
+def import_profile_lines(results: list[dict[str, Any]], top: int) -> list[str]:
+    """``--enginecheck-import-profile=N``: per architecture the ``top`` modules its import spent the most self
+    time in (with their cumulative time and the chain that pulled each in), then the modules that cost the
+    most summed over every architecture of the run: what a preload or a lazy import would save."""
+    lines: list[str] = []
+    summed: dict[str, tuple[float, int]] = {}  # module -> (self seconds summed, architectures)
+    profiled = _import_results(results)
+    for r in profiled:
+        profile = r["detail"]["import_profile"]
+        seconds = r["detail"].get("import_seconds", r["phases"].get("check"))
+        took = f" took {seconds:.3f} s" if isinstance(seconds, (int, float)) else ""
+        failed = " (failed)" if r["outcome"] == "failed" else ""
+        lines.append(f"{r['arch']}: importing its module{took}{failed}; slowest modules (self, cumulative):")
+        lines.extend(_module_line(entry) for entry in profile[:top])
+        for entry in profile:
+            total, archs = summed.get(entry["module"], (0.0, 0))
+            summed[entry["module"]] = (total + entry["self_s"], archs + 1)
+    if summed:
+        lines.append(f"Modules that cost the most summed over {len(profiled)} architecture"
+                     f"{'s' if len(profiled) != 1 else ''} (self time, from each import's slowest modules):")
+        ranked = sorted(summed.items(), key=lambda item: (-item[1][0], item[0]))[:top]
+        lines.extend(f"  {total:8.3f} s  {module}  (imported by {archs} architecture{'s' if archs != 1 else ''})"
+                     for module, (total, archs) in ranked)
     return lines
 
 
 def write_json(path: str | Path, target: str, results: list[dict[str, Any]]) -> None:
-    """``{"version": 1, "target": ..., "results": [...]}``, written atomically (no temp file is left behind)."""
+    """``{"version": 1, "target": ..., "cache": {...}, "results": [...]}``, written atomically (no temp file is
+    left behind); ``cache``: the run's ModelInfo lookups by outcome (``cache_totals``), and under
+    ``"cannot_tell"`` why some could not be told (``cache_unknown``), when any could not."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps({"version": REPORT_VERSION, "target": target, "results": results}, indent=2)
-                       + "\n")
+        unknown = cache_unknown(results)
+        cache: dict[str, Any] = {**cache_totals(results), **({"cannot_tell": unknown} if unknown else {})}
+        report = {"version": REPORT_VERSION, "target": target, "cache": cache, "results": results}
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":  # python -m pytest_enginecheck.report merge SHARD.json... (see merge.py)
+    import sys
+
+    from pytest_enginecheck.merge import main
+
+    sys.exit(main())

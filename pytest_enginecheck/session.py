@@ -15,38 +15,32 @@ import pickle
 import shutil
 import tempfile
 from collections.abc import Generator
-from importlib.metadata import entry_points
 from typing import Any
 
 import pytest
 
 from pytest_enginecheck.checks import CHECKS, TP_CHECKS, CheckContext, CheckResult, roots
+from pytest_enginecheck.html_report import write_html
 from pytest_enginecheck.items import RESULT_PROPERTY, CheckItem, EngineCheckCollector, PluginErrorCollector
 from pytest_enginecheck.options import Settings
-from pytest_enginecheck.report import summary_mode, summary_table, write_json
-from pytest_enginecheck.targets import ArchEntry, PluginError, TargetDescription
+from pytest_enginecheck.report import import_profile_lines, summary_mode, summary_table, write_json
+from pytest_enginecheck.targets import (
+    ArchEntry,
+    Offer,
+    PluginError,
+    Target,
+    TargetDescription,
+    TargetError,
+    load_target,
+)
 
 DESCRIBE_TIMEOUT_S = 300.0
 # What every check child imports: preloaded once in the warm parent instead of once per check.
 CHILD_MODULES = ("pytest_enginecheck.checks.runner", "pytest_enginecheck.checks.import_check",
-                 "pytest_enginecheck.checks.inspect_check", "pytest_enginecheck.targets", "pytest_enginecheck.leaks")
-# The general plugins a target loads: (entry point group, the environment variable that restricts them by name).
-PLUGIN_GROUPS = {"engine_ref": ("engine_ref.general_plugins", "ENGINE_REF_PLUGINS"),
-                 "vllm": ("vllm.general_plugins", "VLLM_PLUGINS")}
+                 "pytest_enginecheck.targets.warm", "pytest_enginecheck.leaks", "pytest_enginecheck.import_profile")
+TARGET_VARIABLE = "ENGINECHECK_TARGET"  # the spec, for the warm parent (``targets.warm``)
 DESCRIPTION_KEY = "enginecheck_description"  # in an xdist worker's workerinput: the controller's, pickled
 PYTEST_OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
-
-
-def plugin_count(spec: str) -> int:
-    """How many general plugins the target loads (entry points allowed by its environment variable)."""
-    if spec not in PLUGIN_GROUPS:
-        return 0
-    group, variable = PLUGIN_GROUPS[spec]
-    names = [ep.name for ep in entry_points(group=group)]
-    allowed = os.environ.get(variable)
-    if allowed is None:
-        return len(names)
-    return sum(name in {a.strip() for a in allowed.split(",")} for name in names)
 
 
 class EngineCheckSession:
@@ -54,19 +48,26 @@ class EngineCheckSession:
 
     def __init__(self, config: pytest.Config, settings: Settings) -> None:
         from engine_ref.isolation import add_preload_modules
-        from pytest_enginecheck.targets import warm_parent_modules
 
         self.config = config
         self.settings = settings
         self._workdir: str | None = None
+        try:
+            self.target: Target = load_target(settings.target)
+            self.target.check_settings(settings)
+        except TargetError as e:
+            raise pytest.UsageError(str(e)) from None
+        self.target.prepare_children(self.workdir)  # before the warm parent starts: every check child inherits it
+        os.environ[TARGET_VARIABLE] = settings.target  # the warm parent loads it once for every child
         add_preload_modules(*CHILD_MODULES,
-                            *warm_parent_modules(settings.target, self.early_checks(), settings.strict))
+                            *self.target.warm_parent_modules(self.early_checks(), settings.strict))
         if settings.trace_dir:  # the check children inherit it: each engine start writes its trace there
             os.makedirs(settings.trace_dir, exist_ok=True)
             os.environ["ENGINE_REF_TRACE_DIR"] = settings.trace_dir
         self.results: list[dict[str, Any]] = []
         self._description: TargetDescription | None = None
         self.outcomes: dict[str, dict[str, CheckResult]] = {}  # arch -> item name -> result, known in this process
+        self.nothing_selected = ""  # why no check may have been selected (see nothing_selected_note)
 
     @property
     def is_xdist_worker(self) -> bool:
@@ -81,21 +82,14 @@ class EngineCheckSession:
         return self._description
 
     def early_checks(self) -> tuple[str, ...]:
-        """The checks selected, known before the target is described where the target allows it (vLLM: without
-        importing it, so a check it cannot run is a usage error at once); its caches go to the session's dir."""
-        if self.settings.target != "vllm":
-            return self.settings.checks or CHECKS
-        from pytest_enginecheck.targets import vllm_checks
-        from pytest_enginecheck.vllm_adapter.env import redirect_caches
-
-        redirect_caches(self.workdir)  # before the warm parent starts: every check child inherits it
-        applicable, missing = vllm_checks()
-        return self._select(applicable, "vllm", missing)
+        """The checks selected, known before the target is described (from ``Target.offered``, without importing
+        the engine, so a check the target cannot run is a usage error at once)."""
+        return self._select(self.target.offered(), self.target.name)
 
     def describe_target(self) -> TargetDescription:
         """The target's architectures, resolved in a child process (the pytest process stays light)."""
         from engine_ref.isolation import run_isolated
-        from pytest_enginecheck.targets import TargetError, describe
+        from pytest_enginecheck.targets import describe
 
         try:
             return run_isolated(describe, self.settings.target, self.settings.strict, timeout=DESCRIBE_TIMEOUT_S,
@@ -108,22 +102,17 @@ class EngineCheckSession:
             ) from None
 
     def select_checks(self, description: TargetDescription) -> tuple[str, ...]:
-        """The checks to run, in CHECKS order: those asked for, or all that apply to the target."""
-        return self._select(description.checks, description.kind, description.missing)
+        """The checks to run, in CHECKS order: those asked for, or all that the target offers."""
+        return self._select(description.offer, description.kind)
 
-    def _select(self, applicable: tuple[str, ...], kind: str, missing: str) -> tuple[str, ...]:
+    def _select(self, offer: Offer, kind: str) -> tuple[str, ...]:
         if self.settings.checks is None:
-            return tuple(c for c in CHECKS if c in applicable)
-        refused = [c for c in self.settings.checks if c not in applicable]
+            return tuple(c for c in CHECKS if c in offer.checks)
+        refused = [c for c in self.settings.checks if c not in offer.checks]
         if refused:
-            from pytest_enginecheck.targets import VLLM_ENGINE_CHECKS
-
-            fix = "; point --enginecheck-target at an engine_ref ModelRegistry"
-            if kind == "vllm":
-                fix = f" here: {missing}" if missing and set(refused) <= set(VLLM_ENGINE_CHECKS) else (
-                    ": lora and quant are checks of engine_ref targets only")
+            reasons = "; ".join(f"{c}: {offer.why_not(c)}" if offer.why_not(c) else c for c in refused)
             raise pytest.UsageError(f"--enginecheck-checks: {', '.join(refused)} cannot run on a {kind} target "
-                                    f"(only {', '.join(applicable)}){fix}.")
+                                    f"(only {', '.join(offer.checks)}): {reasons}.")
         return tuple(c for c in CHECKS if c in self.settings.checks)
 
     @property
@@ -160,21 +149,21 @@ class EngineCheckSession:
     def settings_line(self) -> str:
         """What this run checks and with which limits, in one line (as pytest-timeout prints its settings)."""
         s, description = self.settings, self.description
-        plugins = plugin_count(s.target)
+        plugins = self.target.plugin_count()
         return (f"enginecheck: target={s.target} ({len(description.entries)} architectures, {plugins} "
                 f"plugin{'s' if plugins != 1 else ''}), checks={','.join(self.select_checks(description))}, "
                 f"tp={','.join(map(str, s.tp_sizes))}, timeout={s.timeout:g}s, budget={s.budget_memory} per rank "
                 f"x {s.budget_utilization:g} utilization at max_model_len={s.budget_max_model_len}, "
                 f"device_memory={s.device_memory or 'not predicted'}"
-                + (f"; not offered: {description.missing}" if description.missing else ""))
+                + (f"; not offered: {description.offer.sentence()}" if description.offer.refused else ""))
 
     def plugin_error_text(self, error: PluginError) -> str:
         """The collection error of a plugin that raised while the target was described: what, where, what it
         took with it, how to run without it, and its traceback."""
         hint = ""
-        if self.settings.target in PLUGIN_GROUPS:
+        if self.target.plugin_group is not None:
             others = ",".join(name for name, _, _ in self.description.plugins)
-            hint = (f"\nFix or uninstall it, or leave it out with {PLUGIN_GROUPS[self.settings.target][1]}={others!r} "
+            hint = (f"\nFix or uninstall it, or leave it out with {self.target.plugin_group.variable}={others!r} "
                     f"(the names to load; empty loads none).")
         return (f"{error.message}\nIt failed while the target was described; {error.lost_words()}.{hint}\n\n"
                 f"{error.traceback}")
@@ -217,10 +206,22 @@ class EngineCheckSession:
         """Give each selected check the selected roots of its failures (after -k / -m: a deselected root
         blames nothing)."""
         selected = {(item.ctx.architecture, item.name): item for item in session.items if isinstance(item, CheckItem)}
+        if not selected and not self.is_xdist_worker:
+            self.nothing_selected = self.nothing_selected_note()
         for (arch, _), item in selected.items():
             found = {name: (selected[arch, name].nodeid, selected[arch, name].ctx)
                      for name in roots(item.ctx) if (arch, name) in selected}
             item.depend_on(found, self.outcomes.setdefault(arch, {}))
+
+    def nothing_selected_note(self) -> str:
+        """Why a run may have selected no check: other engines' general plugins are installed, and their
+        architectures are checked with their own target ('' when there are none)."""
+        from pytest_enginecheck.targets import other_targets_plugins
+
+        others = other_targets_plugins(self.settings.target)
+        return "; ".join(
+            f"the {name} target's general plugins {', '.join(plugins)} are installed: their architectures are checked "
+            f"with --enginecheck-target={name}" for name, plugins in others)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]
@@ -242,6 +243,9 @@ class EngineCheckSession:
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         """The architecture x check table, and the counts of the run's other tests beside its own."""
+        if self.nothing_selected:
+            terminalreporter.write_line(f"enginecheck: no check of --enginecheck-target={self.settings.target} was "
+                                        f"selected; {self.nothing_selected}.", yellow=True)
         archs = len({r["arch"] for r in self.results})
         mode = summary_mode(self.settings.summary, archs)
         if not self.results or self.is_xdist_worker or mode == "none":
@@ -252,12 +256,18 @@ class EngineCheckSession:
         terminalreporter.section("enginecheck summary")
         for line in summary_table(self.results, mode, others):
             terminalreporter.write_line(line)
+        if self.settings.import_profile:
+            terminalreporter.section("enginecheck import profile")
+            for line in import_profile_lines(self.results, self.settings.import_profile):
+                terminalreporter.write_line(line)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         """Write the JSON report and remove the session's generated checkpoints."""
         try:
             if self.settings.json_path and not self.is_xdist_worker:
                 write_json(self.settings.json_path, self.settings.target, self.results)
+            if self.settings.html_path and not self.is_xdist_worker:
+                write_html(self.settings.html_path, self.settings.target, self.results)
         finally:
             if self._workdir is not None:
                 shutil.rmtree(self._workdir, ignore_errors=True)

@@ -82,3 +82,100 @@ def test_no_import_cycle(package: str) -> None:
 
 def test_the_check_finds_a_cycle() -> None:
     assert find_cycle({"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}}) == ["a.x", "a.y", "a.z", "a.x"]
+
+
+# -- packages: every import counts, those inside functions too --------------------------------------------------------
+
+TARGETS = ROOT / "pytest_enginecheck" / "targets"
+CORE = ("pytest_enginecheck", "pytest_enginecheck.checks", "pytest_enginecheck.targets")  # engine-agnostic
+
+
+def _runtime_nodes(node: ast.AST) -> list[ast.AST]:
+    """Every node below ``node``, but for ``if TYPE_CHECKING:`` blocks (types only, never imported at run time) and
+    ``if __name__ == "__main__":`` blocks (they run in the module ``__main__``, not in this one)."""
+    found = []
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and ("TYPE_CHECKING" in ast.unparse(child.test)
+                                          or "__name__" in ast.unparse(child.test)):
+            continue
+        found += [child, *_runtime_nodes(child)]
+    return found
+
+
+def all_imports(path: Path) -> set[str]:
+    """Every module ``path`` imports at run time anywhere (inside functions too), absolute names."""
+    found: set[str] = set()
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def unit(module: str) -> str:
+    """The node of the package graph a module belongs to: its sub-package (a target's folder, ``checks``), or the
+    module itself for the top level's modules."""
+    parts = module.split(".")
+    if parts[:2] == ["pytest_enginecheck", "targets"] and len(parts) > 2 and (TARGETS / parts[2]).is_dir():
+        return ".".join(parts[:3])
+    if len(parts) > 1 and (ROOT.joinpath(*parts[:2])).is_dir():
+        return ".".join(parts[:2])
+    return module
+
+
+def package_graph() -> dict[str, set[str]]:
+    modules = {module_name(p) for p in (ROOT / "pytest_enginecheck").rglob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for path in (ROOT / "pytest_enginecheck").rglob("*.py"):
+        here = unit(module_name(path))
+        there = {unit(m) for m in all_imports(path) if m in modules}
+        edges.setdefault(here, set()).update(there - {here})
+    return edges
+
+
+def test_no_cycle_between_packages() -> None:
+    """Counting imports inside functions too: checks/ never reaches back into a target that imports it."""
+    edges = package_graph()
+    assert {"pytest_enginecheck.checks", "pytest_enginecheck.targets.vllm"} <= set(edges), "the graph was not built"
+    assert find_cycle(edges) is None, " -> ".join(find_cycle(edges) or [])
+
+
+def test_no_import_between_sibling_targets() -> None:
+    targets = sorted(p.name for p in TARGETS.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert {"engine_ref", "vllm"} <= set(targets)
+    for name in targets:
+        for path in (TARGETS / name).rglob("*.py"):
+            siblings = {m for m in all_imports(path) for other in targets
+                        if other != name and (m == f"pytest_enginecheck.targets.{other}"
+                                              or m.startswith(f"pytest_enginecheck.targets.{other}."))}
+            assert not siblings, f"{path.relative_to(ROOT)} imports another target: {sorted(siblings)}"
+
+
+def test_the_core_names_no_engine() -> None:
+    """The plugin, session, runner, options and checks/ import no target and no engine, and no string in them is a
+    target's name (the default target's name is defined once, in targets/__init__.py)."""
+    targets = {p.name for p in TARGETS.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    core = [p for p in (ROOT / "pytest_enginecheck").rglob("*.py") if unit(module_name(p)) in CORE
+            or (unit(module_name(p)).count(".") == 1 and not module_name(p).startswith("pytest_enginecheck.targets."))]
+    assert any(p.name == "session.py" for p in core) and any(p.name == "runner.py" for p in core)
+    for path in core:
+        imported = {m for m in all_imports(path) if m.split(".")[0] in targets - {"engine_ref"}
+                    or (m.startswith("pytest_enginecheck.targets.") and m.split(".")[2] in targets)}
+        assert not imported, f"{path.relative_to(ROOT)} imports an engine's target: {sorted(imported)}"
+        tree = ast.parse(path.read_text())
+        named = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in targets}
+        if path == TARGETS / "__init__.py":
+            named -= {"engine_ref"}  # DEFAULT_TARGET
+        assert not named, f"{path.relative_to(ROOT)} names an engine: {sorted(named)}"
+
+
+def test_the_package_check_finds_a_cycle_through_a_function_import(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from pytest_enginecheck.targets.vllm import checks\n"
+                      "if TYPE_CHECKING:\n    from pytest_enginecheck.session import EngineCheckSession\n")
+    assert all_imports(module) == {"pytest_enginecheck.targets.vllm", "pytest_enginecheck.targets.vllm.checks"}
+    assert unit("pytest_enginecheck.targets.vllm.checks") == "pytest_enginecheck.targets.vllm"
+    assert unit("pytest_enginecheck.checks.runner") == "pytest_enginecheck.checks"
+    assert unit("pytest_enginecheck.session") == "pytest_enginecheck.session"

@@ -21,12 +21,12 @@ Every child gets, on top of what multiprocessing gives:
 
 The package, one module per concept: ``context`` (the start method and the stdlib hook),
 ``process`` (one child's lifecycle), ``wait`` (waiting on answers and sentinels until a deadline),
-``answer`` (the ``(status, payload)`` shape every child answers in), ``call`` (run_isolated) and
-``errors``.
+``answer`` (the ``(status, payload)`` shape every child answers in), ``call`` (run_isolated, and
+the CallStats of its latest call: start and answer time, payload bytes) and ``errors``.
 """
 
 from engine_ref.isolation.answer import ERROR, OK, Answer, Failure
-from engine_ref.isolation.call import run_isolated
+from engine_ref.isolation.call import CallStats, last_call_stats, run_isolated
 from engine_ref.isolation.context import add_preload_modules, ensure_warm_parent, get_mp_context
 from engine_ref.isolation.errors import (
     IsolatedProcessError,
@@ -42,8 +42,8 @@ from engine_ref.isolation.process import WarmProcess, start_process
 from engine_ref.isolation.wait import AnswerWait, Deadline
 
 __all__ = [
-    "ERROR", "OK", "Answer", "AnswerWait", "Deadline", "Failure", "IsolatedProcessError", "ProcessCrashedError",
-    "ProcessTimeoutError", "RemoteError", "RemoteTraceback", "WarmProcess", "add_preload_modules",
-    "describe_exitcode", "describe_signal", "ensure_warm_parent", "get_mp_context", "run_isolated", "start_process",
-    "tail",
+    "ERROR", "OK", "Answer", "AnswerWait", "CallStats", "Deadline", "Failure", "IsolatedProcessError",
+    "ProcessCrashedError", "ProcessTimeoutError", "RemoteError", "RemoteTraceback", "WarmProcess",
+    "add_preload_modules", "describe_exitcode", "describe_signal", "ensure_warm_parent", "get_mp_context",
+    "last_call_stats", "run_isolated", "start_process", "tail",
 ]

@@ -1,19 +1,54 @@
-"""run_isolated: call a function in a warm child and get back its value, its exception or its crash."""
+"""run_isolated: call a function in a warm child and get back its value, its exception or its crash.
+
+Each call also measures its own overhead (``CallStats``, read with ``last_call_stats``): how long the
+child took to start (from the request to its first instruction), how long its answer took to come
+back (from the function's return to the value unpickled here), and the cloudpickle bytes each way.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing.connection
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from engine_ref.isolation.answer import ERROR, OK, Answer, Failure
 from engine_ref.isolation.context import get_mp_context
 from engine_ref.isolation.errors import ProcessCrashedError, ProcessTimeoutError, RemoteError, describe_exitcode, tail
-from engine_ref.isolation.process import start_process
+from engine_ref.isolation.process import child_started_at, start_process
 from engine_ref.isolation.wait import AnswerWait, Deadline
+
+
+@dataclass(frozen=True)
+class CallStats:
+    """The overhead of one ``run_isolated`` call, around the function itself.
+
+    ``start_s``: from asking for the child to its first instruction (the fork and multiprocessing's own
+    start-up, under forkserver the request to the server too); ``answer_s``: from the function's return
+    in the child to its value (or exception) unpickled here; ``sent_bytes`` / ``received_bytes``: the
+    cloudpickle payloads of the call and of its answer. The timings and ``received_bytes`` are None when
+    the child never answered (it crashed or hung).
+    """
+
+    sent_bytes: int
+    received_bytes: int | None = None
+    start_s: float | None = None
+    answer_s: float | None = None
+    total_s: float = 0.0  # the whole call, as its caller waited for it
+
+
+_last = threading.local()
+
+
+def last_call_stats() -> CallStats | None:
+    """The CallStats of this thread's latest ``run_isolated`` call (also when it raised); None before any."""
+    return getattr(_last, "stats", None)
 
 
 def _run_and_send(payload: bytes, result_w: Connection, output_w: Connection) -> None:
@@ -26,11 +61,13 @@ def _run_and_send(payload: bytes, result_w: Connection, output_w: Connection) ->
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
         value = fn(*args, **kwargs)
+        returned = time.monotonic()
     except SystemExit as e:  # the child asked to exit: the parent sees an exit code, as for any process
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(e.code if isinstance(e.code, int) else 1)
     except BaseException as e:  # noqa: BLE001 - everything else goes back to the parent
+        returned = time.monotonic()
         answer = (ERROR, Failure.capture(e, keep_exception=True))
     else:
         try:
@@ -38,7 +75,7 @@ def _run_and_send(payload: bytes, result_w: Connection, output_w: Connection) ->
         except Exception:  # noqa: BLE001
             message = f"the return value of type {type(value).__name__} cannot be pickled"
             answer = (ERROR, Failure("TypeError", message, f"TypeError: {message}\n"))
-    result_w.send_bytes(cloudpickle.dumps(answer))
+    result_w.send_bytes(cloudpickle.dumps((answer, child_started_at(), returned)))
     result_w.close()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -58,12 +95,15 @@ def run_isolated(fn: Callable[..., Any], *args: Any, timeout: float | None = Non
     """
     import cloudpickle
 
+    requested = time.monotonic()
+    _last.stats = None
     ctx = get_mp_context()
     result_r, result_w = ctx.Pipe(duplex=False)
     output_r, output_w = ctx.Pipe(duplex=False)
     label = name or getattr(fn, "__qualname__", "function")
-    child = start_process(_run_and_send, cloudpickle.dumps((fn, args, kwargs)), result_w, output_w,
-                          name=f"isolated:{label}", ctx=ctx)
+    payload = cloudpickle.dumps((fn, args, kwargs))
+    _last.stats = CallStats(len(payload))
+    child = start_process(_run_and_send, payload, result_w, output_w, name=f"isolated:{label}", ctx=ctx)
     result_w.close()
     output_w.close()
     output = bytearray()
@@ -96,7 +136,12 @@ def run_isolated(fn: Callable[..., Any], *args: Any, timeout: float | None = Non
             raise ProcessCrashedError(f"{label} {describe_exitcode(child.exitcode)} before returning a result."
                                       + (f" Its last output:\n{tail(text)}" if text.strip() else ""),
                                       child.exitcode, text)
-        return _unpack(cloudpickle.loads(data), output.decode(errors="replace"))
+        answer, started, returned = cloudpickle.loads(data)
+        try:
+            return _unpack(answer, output.decode(errors="replace"))
+        finally:
+            _last.stats = CallStats(len(payload), len(data), None if started is None else started - requested,
+                                    time.monotonic() - returned)
     finally:
         result_r.close()
         child.close(grace_s=5.0)
@@ -105,6 +150,7 @@ def run_isolated(fn: Callable[..., Any], *args: Any, timeout: float | None = Non
         if output:
             sys.stderr.write(output.decode(errors="replace"))
             sys.stderr.flush()
+        _last.stats = dataclasses.replace(_last.stats, total_s=time.monotonic() - requested)
 
 
 def _unpack(answer: Answer, output: str) -> Any:

@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import signal
 import tempfile
+import time
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from engine_ref.isolation.tempdirs import inherit, owner_dir
 from engine_ref.isolation.wait import read_burst
 
 _death_pipe: Connection | None = None  # kept open for the life of the child
+_started_at: float | None = None  # time.monotonic() at the child's first instruction (None: not a child of ours)
 
 
 @dataclass
@@ -55,6 +57,8 @@ def _arm_death_pipe(death_r: Connection) -> None:
 
 
 def _child_main(setup: _ChildSetup, target: Callable[..., Any], args: tuple) -> None:
+    global _started_at
+    _started_at = time.monotonic()
     # Everything inherited from the warm parent is long-lived: keep the collector from walking it,
     # which would write to every object's header and copy most of the parent's pages (~10 ms).
     gc.freeze()
@@ -76,6 +80,12 @@ def _child_main(setup: _ChildSetup, target: Callable[..., Any], args: tuple) -> 
     faulthandler.register(signal.SIGUSR1, file=setup.stack_w.fileno(), all_threads=True)
     _arm_death_pipe(setup.death_r)
     target(*args)
+
+
+def child_started_at() -> float | None:
+    """``time.monotonic()`` (one clock for every process of the host) when this child of ``start_process``
+    ran its first instruction of ours; None in a process that was not started so."""
+    return _started_at
 
 
 def _is_stopped(pid: int) -> bool:

@@ -8,25 +8,89 @@ into the one CheckResult it sends back (``runner.run_in_child``); nothing else c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-CHECKS = ("plugins", "import", "inspect", "load", "budget", "startup", "lora", "quant")
-# The vLLM target's checks are ``pytest_enginecheck.vllm_adapter.checks.CHECK_FUNCTIONS`` (plugins: the module here).
-CHECK_MODULES = {
-    "plugins": "pytest_enginecheck.checks.plugins_check",
-    "import": "pytest_enginecheck.checks.import_check",
-    "inspect": "pytest_enginecheck.checks.inspect_check",
-    "load": "pytest_enginecheck.checks.load_check",
-    "budget": "pytest_enginecheck.checks.budget_check",
-    "startup": "pytest_enginecheck.checks.startup_check",
-    "lora": "pytest_enginecheck.checks.lora_check",
-    "quant": "pytest_enginecheck.checks.quant_check",
-}
-TP_CHECKS = ("load", "budget", "lora", "quant")  # one item per TP size (quant: per method and TP size)
-# One root cause, one failure: every check of an architecture imports its module (the root: the import
-# item), and these also build and start it (the root: the load[tp=1] item).
-BUILD_CHECKS = ("load", "budget", "startup", "lora", "quant")
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """One check: registration, item names, roots, the options' help and the README table derive from these.
+
+    ``roots``: what a failure of it may repeat, of the same architecture: ``"import"`` (its module's import),
+    ``"build"`` (the import, then the build at TP=1, ``load[tp=1]``, and at its own TP size ``load[tp=N]``), or
+    nothing. It is folded into the first of them that failed for the same cause (``checks.causes``).
+    """
+
+    name: str
+    subject: str  # what the check was doing, as the start of a sentence (str.format over CheckContext's fields)
+    proves: str  # the README table's sentence
+    tp: bool = False  # one item per TP size (``load[tp=2]``)
+    per_method: bool = False  # one item per quantization method and TP size (``quant[fp8,tp=2]``)
+    roots: str = "import"  # "", "import" or "build"
+    options: tuple[str, ...] = ()  # the --enginecheck-* options it reads (besides --enginecheck-timeout)
+
+    def item_pattern(self) -> str:
+        """The item's name as the README writes it: ``load[tp=N]``, ``quant[METHOD,tp=N]``."""
+        return f"{self.name}[METHOD,tp=N]" if self.per_method else f"{self.name}[tp=N]" if self.tp else self.name
+
+
+CHECK_SPECS = (
+    CheckSpec("plugins", "Loading plugin {plugin!r} ({module})",
+              roots="", options=("strict",),
+              proves=("each installed general plugin (`enginecheck::plugin:<name>::plugins`) loads without CUDA and "
+                      "without raising, in the warm parent and in a fresh interpreter (the engine's own process "
+                      "state); one that raises while the target is described is a collection error instead, whatever "
+                      "checks are selected")),
+    CheckSpec("import", "Importing {module}",
+              roots="", options=("strict",),
+              proves=("importing the model's module does not initialize CUDA (with file, line and the import chain "
+                      "when it does), and fails for what it is otherwise: a missing dependency, an exception, a "
+                      "signal, an exit code, a hang")),
+    CheckSpec("inspect", "Inspecting {architecture}",
+              options=("inspect",),
+              proves=("the engine's own registry can inspect the class in a subprocess")),
+    CheckSpec("load", "Loading {architecture} at tensor_parallel_size={tp}",
+              tp=True, roots="build", options=("tp", "strict"),
+              proves=("it builds and loads on N real CPU ranks (gloo); two TP=1 runs under different seeds agree "
+                      "(tokens, and every module's output in a hooked forward), else it is reported as "
+                      "nondeterministic, naming the first module whose output changes, and TP sizes are not "
+                      "compared; TP=N generates what TP=1 does, with the same final hidden states in a hooked "
+                      "prefill (within 1e-4 + 1e-3·|x|; on vLLM the same log-probabilities within 1e-4), else the "
+                      "diagnosis names the first module whose output differs and whether its weight shards or its "
+                      "collective are wrong (a module it cannot compare is named as such, a diagnosis that fails "
+                      'says so, and a sentence that is only a hint starts with "Hint")')),
+    CheckSpec("budget", "Measuring the memory of {architecture} at tensor_parallel_size={tp}",
+              tp=True, roots="build",
+              options=("tp", "budget_memory", "budget_utilization", "budget_max_model_len", "device_memory"),
+              proves=("per-rank weights + buffers + activation peak + KV cache fit the budget and equal the "
+                      "meta-device estimate; with `--enginecheck-device-memory`, the full-size model (its "
+                      "`reference_config`) fits too")),
+    CheckSpec("startup", "Starting and stopping {architecture}",
+              roots="build", options=("tp",),
+              proves=("full engine startup and shutdown: every worker exits by itself when asked (none needs SIGTERM "
+                      "or SIGKILL, none leaves a non-daemon thread running; a failure names each thread with its "
+                      "target and stack), and nothing is left behind: no process, fd, port, temp entry or shared "
+                      "memory")),
+    CheckSpec("lora", "Running {architecture} with a LoRA adapter at tensor_parallel_size={tp}",
+              tp=True, roots="build", options=("tp",),
+              proves=("with a tiny PEFT adapter at TP=N, greedy tokens equal TP=1's with the adapter and differ from "
+                      "the base model's (architectures declaring `SupportsLoRA`)")),
+    CheckSpec("quant", "Running {architecture} quantized with {quantization} at tensor_parallel_size={tp}",
+              tp=True, per_method=True, roots="build", options=("tp", "quant"),
+              proves=("the exact oracle of a weight-only method (all of engine_ref's are: fp8, fbgemm_fp8 and int8 "
+                      "dequantize the weight and run the unquantized matmul; no activation is quantized): the model "
+                      "converted at startup at TP=1, and its pre-quantized tiny checkpoint at TP=N, produce the "
+                      "logits of the unquantized engine loaded with the dequantized weights deq(W) at the same TP "
+                      "size, within float rounding (`2·2(weights+1)·K·u`, 2.7e-4 of the largest logit for the tiny "
+                      "Llama; a correct engine measures 0, a scale 1 % off in one weight about 5e-3); a failure "
+                      "names the logit, the difference and the weight whose dequantized value is not deq(W). Then "
+                      "TP=N generates what TP=1 does, the logits' error against the original weights is above 0 and "
+                      "under the sum of the weights' relative errors (a loose sanity check, not a bound), and "
+                      "estimate equals measurement (architectures declaring `SupportsQuant`)")),
+)
+SPECS = {spec.name: spec for spec in CHECK_SPECS}
+CHECKS = tuple(SPECS)
+TP_CHECKS = tuple(spec.name for spec in CHECK_SPECS if spec.tp)  # one item per TP size
 BUILD_ROOT = "load[tp=1]"
 
 
@@ -56,21 +120,34 @@ class CheckContext:
 def item_name(ctx: CheckContext) -> str:
     """The item's name and its result's ``check``: ``load[tp=2]`` for a TP check (``quant[fp8,tp=2]``), else the
     check."""
-    if ctx.check not in TP_CHECKS:
+    spec = SPECS[ctx.check]
+    if not spec.tp:
         return ctx.check
-    method = "" if ctx.quantization is None else f"{ctx.quantization},"
+    method = f"{ctx.quantization}," if spec.per_method else ""
     return f"{ctx.check}[{method}tp={ctx.tp}]"
+
+
+def subject(ctx: CheckContext) -> str:
+    """What the check was doing, as the start of a sentence: ``Loading LlamaForCausalLM at tensor_parallel_size=2``."""
+    return SPECS[ctx.check].subject.format(**{f.name: getattr(ctx, f.name) for f in fields(ctx)})
 
 
 def roots(ctx: CheckContext) -> tuple[str, ...]:
     """The item names (of the same architecture) whose failure causes this item's, in the order to blame them."""
-    name = item_name(ctx)
-    found = () if ctx.check in ("import", "plugins") else ("import",)
-    if ctx.check not in BUILD_CHECKS or name == BUILD_ROOT:
+    spec, name = SPECS[ctx.check], item_name(ctx)
+    found = ("import",) if spec.roots else ()
+    if spec.roots != "build" or name == BUILD_ROOT:
         return found
-    tp = ctx.tp if ctx.check in TP_CHECKS else max(ctx.tp_sizes)  # startup runs at the largest TP size
+    tp = ctx.tp if spec.tp else max(ctx.tp_sizes)  # startup runs at the largest TP size
     same_tp = f"load[tp={tp}]"  # a build that fails only at TP=N: load[tp=N] names the layer
     return (*found, BUILD_ROOT, *((same_tp,) if tp > 1 and same_tp != name else ()))
+
+
+def markdown_table() -> str:
+    """The README's table of checks, from CHECK_SPECS (``python -m pytest_enginecheck.checks`` prints it)."""
+    rows = ["| check | what it proves |", "|---|---|"]
+    rows += [f"| `{spec.item_pattern()}` | {spec.proves} |" for spec in CHECK_SPECS]
+    return "\n".join(rows)
 
 
 class CheckFailure(Exception):

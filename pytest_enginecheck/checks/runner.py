@@ -13,33 +13,20 @@ saying that the root failed too.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 import shutil
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-from engine_ref.isolation import ProcessCrashedError, ProcessTimeoutError, run_isolated, tail
+from engine_ref.isolation import ProcessCrashedError, ProcessTimeoutError, last_call_stats, run_isolated, tail
 from engine_ref.isolation.tempdirs import mkdtemp_beside
-from pytest_enginecheck.checks import CHECK_MODULES, CheckContext, CheckFailure, CheckResult, CheckSkip, item_name
+from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckResult, CheckSkip, item_name, subject
 from pytest_enginecheck.checks.causes import failure_cause, same_cause
-
-
-def subject(ctx: CheckContext) -> str:
-    """What the check was doing, as the start of a sentence."""
-    return {
-        "plugins": f"Loading plugin {ctx.plugin!r} ({ctx.module})",
-        "import": f"Importing {ctx.module}",
-        "inspect": f"Inspecting {ctx.architecture}",
-        "load": f"Loading {ctx.architecture} at tensor_parallel_size={ctx.tp}",
-        "budget": f"Measuring the memory of {ctx.architecture} at tensor_parallel_size={ctx.tp}",
-        "startup": f"Starting and stopping {ctx.architecture}",
-        "lora": f"Running {ctx.architecture} with a LoRA adapter at tensor_parallel_size={ctx.tp}",
-        "quant": f"Running {ctx.architecture} quantized with {ctx.quantization} at tensor_parallel_size={ctx.tp}",
-    }[ctx.check]
+from pytest_enginecheck.checks.measurements import cache_counts, with_cache_counts, with_call_stats
+from pytest_enginecheck.targets import CheckFunction, load_target
 
 
 def _result(ctx: CheckContext, outcome: str, message: str = "", detail: dict[str, Any] | None = None,
@@ -65,14 +52,9 @@ def _phases(seconds: float, detail: dict[str, Any]) -> dict[str, float]:
     return {"check": seconds, **{f"engine.{name}": float(s) for name, s in engine.items() if isinstance(s, float)}}
 
 
-def check_function(ctx: CheckContext) -> Callable[[CheckContext], dict[str, Any]]:
-    """The function that runs ``ctx``'s check: the vLLM target's own (``vllm_adapter.checks``), else the check
-    module's ``run``."""
-    if ctx.spec == "vllm" and ctx.check != "plugins":
-        from pytest_enginecheck.vllm_adapter.checks import CHECK_FUNCTIONS
-
-        return CHECK_FUNCTIONS[ctx.check]
-    return importlib.import_module(CHECK_MODULES[ctx.check]).run
+def check_function(ctx: CheckContext) -> CheckFunction:
+    """The function that runs ``ctx``'s check: its target's (``Target.check_function``)."""
+    return load_target(ctx.spec).check_function(ctx.check)
 
 
 def run_in_child(ctx: CheckContext, tmpdir: str | None = None) -> CheckResult:
@@ -84,6 +66,7 @@ def run_in_child(ctx: CheckContext, tmpdir: str | None = None) -> CheckResult:
     if tmpdir is not None:
         os.environ["TMPDIR"] = tempfile.tempdir = tmpdir
     start = time.perf_counter()
+    cached = cache_counts(ctx)
     try:
         detail = check_function(ctx)(ctx)
     except CheckSkip as e:
@@ -94,6 +77,7 @@ def run_in_child(ctx: CheckContext, tmpdir: str | None = None) -> CheckResult:
         result = _error(ctx, e)
     else:
         result = _result(ctx, "passed", detail=detail)
+    result = with_cache_counts(ctx, result, cached)
     return dataclasses.replace(result, phases=_phases(time.perf_counter() - start, result.detail))
 
 
@@ -124,6 +108,7 @@ def run_check(ctx: CheckContext) -> CheckResult:
         result = _error(ctx, e)
     finally:
         shutil.rmtree(private, ignore_errors=True)
+    result = with_call_stats(result, last_call_stats())
     duration = time.perf_counter() - start
     # "process": starting the child and reading its answer back, around the check itself (all of it when the
     # child died or hung before answering).

@@ -51,8 +51,8 @@ from engine_ref.model_executor.model_loader.quantized_checkpoint import make_qua
 from engine_ref.model_executor.model_loader.weight_utils import CheckpointTensor
 from engine_ref.model_executor.models.interfaces import REFERENCE_CONFIGS_DIR
 from engine_ref.model_executor.models.registry import ModelRegistry
-from pytest_enginecheck.checks.quant_check import matmul_weights, prompt_logits, relative_error
 from pytest_enginecheck.multirank import run_multirank
+from pytest_enginecheck.targets.engine_ref.quant_check import matmul_weights, prompt_logits, relative_error
 
 ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM"]
 PROMPT = [1, 5, 9, 13, 17, 3]

@@ -74,7 +74,7 @@ def run_enginecheck(pytester: pytest.Pytester, *args: str, name: str = "report")
     assert path.exists(), result.stdout.str() + result.stderr.str()
     report = json.loads(path.read_text())
     target = next((a.split("=", 1)[1] for a in args if a.startswith("--enginecheck-target=")), "engine_ref")
-    assert (set(report), report["version"], report["target"]) == ({"version", "target", "results"}, 1, target)
+    assert (set(report), report["version"], report["target"]) == ({"version", "target", "cache", "results"}, 1, target)
     for r in report["results"]:
         assert set(r) == RESULT_KEYS, r
         assert r["outcome"] in ("passed", "failed", "skipped") and isinstance(r["message"], str)
@@ -230,7 +230,9 @@ def test_broken_zoo_serially_and_under_xdist(zoo: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines([
         f"enginecheck: target=zoo:MODELS ({len(MODELS)} architectures, 0 plugins), checks=import,inspect, tp=1,2, "
         f"timeout={TIMEOUT}s, budget=512MiB per rank x 0.9 utilization at max_model_len=128, "
-        f"device_memory=not predicted"])
+        f"device_memory=not predicted; not offered: plugins (a mapping of architecture -> 'module:Class' has no "
+        f"general plugins); load, budget, startup, lora, quant (a mapping of architecture -> 'module:Class' has no "
+        f"engine to build it with; point --enginecheck-target at an engine_ref ModelRegistry)"])
     # one line per root cause for the skips
     result.stdout.fnmatch_lines(["SKIPPED [[]1] enginecheck::HangsModel: import failed, see "
                                  "enginecheck::HangsModel::import"])
@@ -355,7 +357,7 @@ def test_tp_checks_skip_when_no_tp_size_splits_the_model(pytester: pytest.Pytest
                               "tensor_parallel_size=5 does not divide num_attention_heads=4"), startup
     assert "tensor_parallel_size=3 does not divide num_attention_heads=4" in startup
     assert results[("LlamaForCausalLM", "load[tp=3]")]["message"].startswith("tensor_parallel_size=3 does not divide")
-    result.stdout.fnmatch_lines(["*= enginecheck summary =*", "1 architectures: 0 passed, 0 failed, 3 skipped"])
+    result.stdout.fnmatch_lines(["*= enginecheck summary =*", "1 architecture: 0 passed, 0 failed, 3 skipped"])
 
 
 NORMAL_TEST = "def test_project_unit():\n    assert True\n"

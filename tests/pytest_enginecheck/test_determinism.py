@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pytest_enginecheck.checks import CheckContext, CheckResult
-from pytest_enginecheck.checks.tp_diagnosis import Capture, compare, explain_seeds, explain_tp
+from pytest_enginecheck.targets.engine_ref.tp_diagnosis import Capture, compare, explain_seeds, explain_tp
 
 ZOO = Path(__file__).parents[1] / "plugin_zoo"
 SPEC = "zoo.planted:REGISTRY"
@@ -78,7 +78,7 @@ def test_the_clean_twin_passes_with_its_determinism_run(results: dict[tuple[str,
 
 def test_a_diagnosis_that_fails_says_so(tmp_path: Path) -> None:
     """A checkpoint directory without config.json: the hooked TP=1 run raises, and the sentence carries that."""
-    from pytest_enginecheck.checks.load_check import _diagnosis
+    from pytest_enginecheck.targets.engine_ref.load_check import _diagnosis
 
     ctx = CheckContext(check="load", spec="engine_ref", architecture="LlamaForCausalLM", module="", class_name="",
                        workdir=str(tmp_path), tp=2, timeout=30.0)

@@ -84,5 +84,5 @@ def test_lora_check_catches_a_layer_that_misleads_lora(pytester: pytest.Pytester
         "architecture * load[tp=1]  load[tp=2]  lora[tp=1]  lora[tp=2]",
         "-----*",
         f"{arch} * ok * ok * ok * FAIL*",
-        "1 architectures: 3 passed, 1 failed, 0 skipped",
+        "1 architecture: 3 passed, 1 failed, 0 skipped",
     )])

@@ -129,14 +129,15 @@ def test_ini_options_work_like_flags_and_flags_win(zoo: pytest.Pytester) -> None
                  "ERROR: --enginecheck-target='zoo:NO_SUCH_ATTRIBUTE': module 'zoo' has no 'NO_SUCH_ATTRIBUTE'",
                  id="target-attribute-missing"),
     pytest.param(["--enginecheck-target=zoo"], "",
-                 "ERROR: --enginecheck-target='zoo' is not a target: use 'engine_ref', 'vllm', or "
-                 "'module:attribute'*", id="target-no-colon"),
+                 "ERROR: --enginecheck-target='zoo' is not a target: use one of 'engine_ref', 'sglang', 'vllm' (the "
+                 "entry points of pytest_enginecheck.targets), or 'module:attribute'*", id="target-no-colon"),
     pytest.param(["--enginecheck-target=zoo:NOT_A_MAPPING"], "",
                  "ERROR: --enginecheck-target='zoo:NOT_A_MAPPING' names a list; it must be a mapping of "
                  "architecture -> 'module:Class' or an engine_ref ModelRegistry.", id="target-wrong-type"),
     pytest.param(["--enginecheck-target=zoo:MODELS", "--enginecheck-checks=import,load"], "",
-                 "ERROR: --enginecheck-checks: load cannot run on a mapping target (only import, inspect); "
-                 "point --enginecheck-target at an engine_ref ModelRegistry.", id="mapping-target-load"),
+                 "ERROR: --enginecheck-checks: load cannot run on a mapping target (only import, inspect): load: a "
+                 "mapping of architecture -> 'module:Class' has no engine to build it with; point "
+                 "--enginecheck-target at an engine_ref ModelRegistry.", id="mapping-target-load"),
 ])
 def test_bad_values_are_usage_errors(zoo: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                      args: list[str], ini: str, message: str) -> None:

@@ -34,3 +34,16 @@ def test_the_readme_tier_command_requires_vllm() -> None:
     readme = (Path(__file__).parents[2] / "README.md").read_text().splitlines()
     command = readme[readme.index("# vLLM tier") + 1]  # the line .ci/run's readme_command runs
     assert "ENGINECHECK_REQUIRE_VLLM=1 " in command and "tests/vllm" in command
+
+
+def test_the_readme_sglang_tier_command_requires_sglang(pytester: pytest.Pytester,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text().splitlines()
+    command = readme[readme.index("# SGLang tier") + 1]
+    assert "ENGINECHECK_REQUIRE_SGLANG=1 " in command and "tests/sglang" in command
+    if importlib.util.find_spec("sglang") is None:  # and without SGLang, that requirement is an error
+        monkeypatch.setenv("ENGINECHECK_REQUIRE_SGLANG", "1")
+        tier = Path(__file__).parents[1] / "sglang"
+        result = pytester.runpytest_subprocess(str(tier), "-p", "no:cacheprovider", "-q")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        result.stderr.fnmatch_lines(["ERROR: ENGINECHECK_REQUIRE_SGLANG=1 but SGLang is not importable by *"])

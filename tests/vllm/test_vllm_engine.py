@@ -18,7 +18,7 @@ def _checkpoints(workdir: str) -> dict[str, Any]:
 
     from safetensors import safe_open
 
-    from pytest_enginecheck.vllm_adapter.checkpoints import NoTinyCheckpoint, make_tiny_checkpoint
+    from pytest_enginecheck.targets.vllm.checkpoints import NoTinyCheckpoint, make_tiny_checkpoint
 
     made: dict[str, Any] = {}
     for architecture in FAMILIES:
@@ -54,7 +54,7 @@ def _ctx(workdir: str, architecture: str, check: str, tp: int = 1, budget: str =
 def _check(name: str, workdir: str, architecture: str, tp: int = 1, budget: str = "512MiB") -> Any:
     import os
 
-    from pytest_enginecheck.vllm_adapter.checks import CHECK_FUNCTIONS
+    from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
 
     os.environ["VLLM_PLUGINS"] = "clean,bad_shard,hungry,workspace,workspace_view"
     try:

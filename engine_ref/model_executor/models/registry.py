@@ -10,6 +10,10 @@ The cache is input, not truth: anyone who can write the directory can write an e
 hash. An entry is served only if every field has its type and it describes the module and class the
 registry asked about (the ModelInfo's module and class are what workers import); anything else is a
 corrupt entry, logged, inspected again and rewritten. The reader caps the file's size and nesting.
+
+Every lookup is counted by where its answer came from (``CacheStats``: memory, disk, or an inspection
+and why), per registry and summed over the process (``process_cache_stats``), so a run can show whether
+the cache really hits.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import threading
 import traceback
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +59,43 @@ _ENGINE_REF_MODELS = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
 }
+
+
+@dataclass
+class CacheStats:
+    """How ModelInfo lookups were served: from memory, from the JSON cache, or by an inspection and why.
+
+    ``missing``: no cache file; ``source_changed`` / ``format_version``: a stale file (another source hash,
+    another MODEL_INFO_FORMAT_VERSION); ``no_source``: no source file to hash, so nothing can be cached;
+    ``corrupt``: an unreadable or invalid file (inspected again and rewritten).
+    """
+
+    memory: int = 0
+    disk: int = 0
+    missing: int = 0
+    source_changed: int = 0
+    format_version: int = 0
+    no_source: int = 0
+    corrupt: int = 0
+
+    @property
+    def inspected(self) -> int:
+        """Lookups that needed an inspection for want of a usable entry (corrupt ones are counted apart)."""
+        return self.missing + self.source_changed + self.format_version + self.no_source
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+CACHE_OUTCOMES = tuple(f.name for f in fields(CacheStats))
+_process_stats = CacheStats()  # every registry of this process, summed
+_stats_lock = threading.Lock()  # guards every CacheStats (a registry's and the process's)
+
+
+def process_cache_stats() -> dict[str, int]:
+    """The ModelInfo lookups of every registry in this process so far, by outcome (CACHE_OUTCOMES)."""
+    with _stats_lock:
+        return _process_stats.to_dict()
 
 
 @dataclass(frozen=True)
@@ -167,6 +208,13 @@ class _ModelRegistry:
         self._infos: dict[tuple[str, str | None], ModelInfo] = {}
         self._lock = threading.Lock()
         self.subprocess_inspections = 0  # how many inspections needed a child process
+        self.cache_stats = CacheStats()  # how this registry's lookups were served
+
+    def _count(self, outcome: str) -> None:
+        """One lookup served by ``outcome`` (a CACHE_OUTCOMES name), here and in the process's total."""
+        with _stats_lock:
+            for stats in (self.cache_stats, _process_stats):
+                setattr(stats, outcome, getattr(stats, outcome) + 1)
 
     def get_supported_archs(self) -> list[str]:
         """Every registered architecture name. Imports nothing."""
@@ -196,9 +244,12 @@ class _ModelRegistry:
         source_hash = entry.source_hash()
         key = (architecture, source_hash)
         with self._lock:
-            if key in self._infos:
-                return self._infos[key]
-        info = self._read_cache(architecture, entry, source_hash)
+            info = self._infos.get(key)
+        if info is not None:
+            self._count("memory")
+            return info
+        info, outcome = self._read_cache(architecture, entry, source_hash)
+        self._count(outcome)
         if info is None:
             info = self._inspect_with_subprocess(architecture, entry, timeout)
             self._write_cache(entry, source_hash, info)
@@ -253,20 +304,21 @@ class _ModelRegistry:
         """One file per architecture and class (two architectures may share a class)."""
         return envs.cache_root() / "modelinfos" / f"{architecture}-{entry.module_name}-{entry.class_name}.json"
 
-    def _read_cache(self, architecture: str, entry: RegisteredModel, source_hash: str | None) -> ModelInfo | None:
-        """The cached ModelInfo; None when absent, stale (another source or format) or corrupt (logged)."""
+    def _read_cache(self, architecture: str, entry: RegisteredModel, source_hash: str | None
+                    ) -> tuple[ModelInfo | None, str]:
+        """The cached ModelInfo and "disk"; else None and why (a CACHE_OUTCOMES name; corrupt ones are logged)."""
         if source_hash is None:
-            return None
+            return None, "no_source"
         path = self._cache_path(architecture, entry)
         try:
             data = read_json(path, max_bytes=MODEL_INFO_CACHE_MAX_BYTES, max_depth=MODEL_INFO_CACHE_MAX_DEPTH)
             return _cached_model_info(data, architecture, entry, source_hash)
         except FileNotFoundError:
-            return None
+            return None, "missing"
         except (OSError, ValueError) as e:
             logger.warning("corrupt model info cache %s (%s): inspecting %s again and rewriting it",
                            path, e, architecture)
-            return None
+            return None, "corrupt"
 
     def _write_cache(self, entry: RegisteredModel, source_hash: str | None, info: ModelInfo) -> None:
         """Write atomically (temp file + rename), so concurrent writers and readers never see half a file."""
@@ -289,15 +341,19 @@ class _ModelRegistry:
             logger.warning("could not write model info cache %s: %s", path, e)
 
 
-def _cached_model_info(data: Any, architecture: str, entry: RegisteredModel, source_hash: str) -> ModelInfo | None:
-    """The ModelInfo of a parsed cache file; None if it is stale; ValueError saying what is corrupt."""
+def _cached_model_info(data: Any, architecture: str, entry: RegisteredModel, source_hash: str
+                       ) -> tuple[ModelInfo | None, str]:
+    """The ModelInfo of a parsed cache file and "disk"; None and why it is stale (a CACHE_OUTCOMES name);
+    ValueError saying what is corrupt."""
     if not isinstance(data, dict) or set(data) != {"format_version", "source_hash", "model_info"}:
         raise ValueError("not an object of exactly format_version, source_hash and model_info")
     if type(data["format_version"]) is not int or not isinstance(data["source_hash"], str):
         raise ValueError(f"format_version={data['format_version']!r} is not an integer or "
                          f"source_hash={data['source_hash']!r} not a string")
-    if data["format_version"] != MODEL_INFO_FORMAT_VERSION or data["source_hash"] != source_hash:
-        return None  # written for another format or another source: stale, not corrupt
+    if data["format_version"] != MODEL_INFO_FORMAT_VERSION:
+        return None, "format_version"  # written for another format: stale, not corrupt
+    if data["source_hash"] != source_hash:
+        return None, "source_changed"
     info = data["model_info"]
     if not isinstance(info, dict) or set(info) != set(_MODEL_INFO_TYPES):
         raise ValueError(f"model_info is not an object of exactly the fields {', '.join(_MODEL_INFO_TYPES)}")
@@ -308,7 +364,7 @@ def _cached_model_info(data: Any, architecture: str, entry: RegisteredModel, sou
     foreign = [f"{name}={info[name]!r} (asked: {value!r})" for name, value in asked.items() if info[name] != value]
     if foreign:
         raise ValueError(f"it describes another model: {', '.join(foreign)}")
-    return ModelInfo(**info)
+    return ModelInfo(**info), "disk"
 
 
 ModelRegistry = _ModelRegistry({

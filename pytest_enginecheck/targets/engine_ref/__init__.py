@@ -1,0 +1,119 @@
+"""The engine_ref target: the bundled reference engine's registry, every check.
+
+Spec ``engine_ref`` is the global ``ModelRegistry`` with every installed general plugin
+(``engine_ref.general_plugins``) loaded; a ``module:attribute`` spec names another ``ModelRegistry`` (every check)
+or a mapping of architecture -> ``"module:Class"`` (the ``mapping`` kind: import and inspect, through engine_ref's
+registry). The check modules are this folder's ``*_check.py``, and the core's import and plugins checks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from pytest_enginecheck.checks import CHECKS
+from pytest_enginecheck.checks.plugins_check import plugin_errors
+from pytest_enginecheck.targets import (
+    ArchEntry,
+    CheckFunction,
+    Offer,
+    PluginGroup,
+    PluginLoader,
+    Target,
+    TargetDescription,
+    TargetError,
+    without_failed,
+)
+
+if TYPE_CHECKING:
+    from pytest_enginecheck.options import Settings
+
+MAPPING_CHECKS = ("import", "inspect")
+CHECK_MODULES = {
+    "plugins": "pytest_enginecheck.checks.plugins_check",
+    "import": "pytest_enginecheck.checks.import_check",
+    "inspect": "pytest_enginecheck.targets.engine_ref.inspect_check",
+    "load": "pytest_enginecheck.targets.engine_ref.load_check",
+    "budget": "pytest_enginecheck.targets.engine_ref.budget_check",
+    "startup": "pytest_enginecheck.targets.engine_ref.startup_check",
+    "lora": "pytest_enginecheck.targets.engine_ref.lora_check",
+    "quant": "pytest_enginecheck.targets.engine_ref.quant_check",
+}
+MAPPING_PLUGINS = "a mapping of architecture -> 'module:Class' has no general plugins"
+MAPPING_REASON = ("a mapping of architecture -> 'module:Class' has no engine to build it with; point "
+                  "--enginecheck-target at an engine_ref ModelRegistry")
+
+
+class EngineRefTarget(Target):
+    """engine_ref's registry (``engine_ref``, or ``module:attribute`` naming a registry or a mapping)."""
+
+    name = "engine_ref"
+    label = "engine_ref"
+
+    def __init__(self, spec: str) -> None:
+        super().__init__(spec)
+        # Only the global registry loads the engine's plugins; another registry or a mapping is what it names.
+        self.plugin_group = PluginGroup("engine_ref.general_plugins", "ENGINE_REF_PLUGINS") if spec == self.name \
+            else None
+
+    def offered(self) -> Offer:
+        return Offer(CHECKS)  # a mapping's narrower offer is known once described
+
+    def describe(self, strict: bool = False) -> TargetDescription:
+        from pytest_enginecheck.targets.engine_ref import plugins
+        from pytest_enginecheck.targets.engine_ref.registry import resolve
+
+        errors = plugin_errors(self, plugins.load_plugins(strict)) if self.plugin_group else ()
+        registry: Any
+        if self.plugin_group:  # its plugins were loaded one at a time above, so each failure is named and kept
+            from engine_ref.model_executor.models.registry import ModelRegistry
+
+            kind, registry = "engine_ref", ModelRegistry
+        else:
+            kind, registry = resolve(self.spec)
+        if kind == "engine_ref":
+            entries = tuple(ArchEntry(arch, e.module_name, e.class_name) for arch, e in registry.models.items())
+            offer = Offer(CHECKS)
+        else:
+            entries = tuple(ArchEntry(arch, *value.split(":")) for arch, value in registry.items())
+            unbuilt = tuple((c, MAPPING_REASON) for c in CHECKS if c not in (*MAPPING_CHECKS, "plugins"))
+            offer = Offer(MAPPING_CHECKS, (("plugins", MAPPING_PLUGINS), *unbuilt))
+        listed = plugins.list_plugins() if self.plugin_group else ()
+        kept, kept_plugins = without_failed(entries, listed, errors)
+        return TargetDescription(self.spec, kind, kept, offer, kept_plugins, errors)
+
+    def check_settings(self, settings: Settings) -> None:
+        """The quant check's methods must be engine_ref's."""
+        from engine_ref.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+        unknown = [m for m in settings.quant_methods if m not in QUANTIZATION_METHODS]
+        if unknown:
+            raise TargetError(f"--enginecheck-quant={','.join(settings.quant_methods)!r}: unknown method(s) "
+                              f"{', '.join(unknown)}; choose from {','.join(QUANTIZATION_METHODS)}")
+
+    def check_function(self, check: str) -> CheckFunction:
+        module: ModuleType = importlib.import_module(CHECK_MODULES[check])
+        function: CheckFunction = module.run
+        return function
+
+    def warm_parent_modules(self, checks: tuple[str, ...], strict: bool = False) -> tuple[str, ...]:
+        return ("pytest_enginecheck.targets.engine_ref.inspect_check",)  # light: it imports no model
+
+    def cache_counts(self) -> dict[str, int] | None:
+        """engine_ref's registry's lookups in this process; None when it is not loaded (a check that never looked
+        one up: importing it to ask would cost the check an import)."""
+        registry = sys.modules.get("engine_ref.model_executor.models.registry")
+        counts = getattr(registry, "process_cache_stats", None)
+        return counts() if counts is not None else None
+
+    def plugin_loader(self) -> PluginLoader | None:
+        from pytest_enginecheck.targets.engine_ref import plugins
+
+        return plugins if self.plugin_group else None
+
+
+def target(spec: str) -> EngineRefTarget:
+    """The entry point (``pytest_enginecheck.targets``: ``engine_ref``)."""
+    return EngineRefTarget(spec)

@@ -1,0 +1,203 @@
+"""load: the architecture builds and loads at TP=N on real CPU ranks, its TP=1 output does not depend on the
+seed, and TP=N output equals TP=1.
+
+Determinism comes first, at every TP size: TP=1 runs under the engine's seed and another, and the two must give
+the same tokens and, in a hooked forward (tp_diagnosis.diagnose_seeds), the same output of every module (at TP=N,
+the TP=1 reference runs under the other seed, and equal to TP=N it stands for both TP=1 runs). A
+model whose output depends on the random number generator agrees with itself at TP=2 only because every rank is
+seeded alike, so it is reported as nondeterministic (naming the first module whose output changes) instead of
+comparing TP sizes. When TP=N disagrees with TP=1 (other tokens, or a start that fails where TP=1 starts),
+tp_diagnosis names the first module whose output differs and whether its weights or its collective are wrong.
+At TP=1, every token generated with the KV cache must also be what recomputing its prefix without the cache gives
+(kv_consistency): the oracle for a bug that is the same at every TP size and in every prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from pytest_enginecheck.checks import CheckContext, CheckFailure
+from pytest_enginecheck.targets.engine_ref.registry import engine_ref_registry
+from pytest_enginecheck.targets.engine_ref.tiny_engine import greedy, prompts, tiny_checkpoint, verify_tp
+
+if TYPE_CHECKING:
+    from pytest_enginecheck.targets.engine_ref.tp_diagnosis import Diagnosis
+
+SEEDS = (0, 1)  # the engine's default seed, and the determinism run's other one
+DIAGNOSIS_MARGIN_S = 2.0  # of --enginecheck-timeout, kept for reporting after a diagnosis that timed out
+MIN_DIAGNOSIS_S = 5.0  # less left than this: the diagnosis is not run
+BUILD_CUDA_HINT = ("Take the device from the engine (the device of the layer's parameters or of its input) instead "
+                   "of asking torch.cuda while the model is built, or run with PYTORCH_NVML_BASED_CUDA_CHECK=1 so a "
+                   "query uses NVML instead of cuInit.")
+HINT = "Hint: check the weight_loader and the collectives of the layers this model changed."
+
+
+def _diagnosis(ctx: CheckContext, ckpt: Any, prompt: list[int], started: bool = True,
+               since: float | None = None) -> Diagnosis:
+    """tp_diagnosis.diagnose's Diagnosis; when the diagnosis itself fails, one that says so with its error.
+
+    ``since``: when the check started (time.monotonic()); the diagnosis gets only what is left of --enginecheck-timeout,
+    so a start that hung (and would hang the diagnosis too) is reported in the engine's words, not as the check's
+    own timeout."""
+    from pytest_enginecheck.targets.engine_ref.tp_diagnosis import Diagnosis, diagnose
+
+    timeout = max(10.0, ctx.timeout * 0.4)
+    if since is not None:
+        spent = time.monotonic() - since
+        timeout = min(timeout, ctx.timeout - spent - DIAGNOSIS_MARGIN_S)
+        if timeout < MIN_DIAGNOSIS_S:
+            return Diagnosis(f"The diagnosis was not run: the check had spent {spent:.0f} s of its {ctx.timeout:g} s "
+                             f"(--enginecheck-timeout), so it names no module.")
+    try:
+        return diagnose(ctx.spec, ckpt, ctx.tp, prompt, timeout=timeout, started=started)
+    except Exception as e:  # noqa: BLE001 - the check's own finding stands; the user learns why none was added
+        lines = str(e).strip().splitlines() or [""]
+        # A rank's failure reads "rank 0 of 2 failed:" and its traceback: the last line is the exception.
+        error = f"{lines[0]} {lines[-1].strip()}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+        return Diagnosis(f"The diagnosis failed ({type(e).__name__}: {error}), so it names no module. {HINT}")
+
+
+def verify_deterministic(ctx: CheckContext, ckpt: Any, reference: list[list[int]],
+                         again: list[list[int]] | None = None) -> dict[str, Any]:
+    """Fail when TP=1 under the second seed (``again``, run here when None) gives other tokens than ``reference``
+    (TP=1 under the first), or a hooked forward under the two seeds gives another output in any module; return
+    the run's detail."""
+    from pytest_enginecheck.targets.engine_ref.tp_diagnosis import diagnose_seeds
+
+    if again is None:
+        again, _ = greedy(ctx, ckpt, 1, seed=SEEDS[1])
+    changed = [i for i, (a, b) in enumerate(zip(reference, again, strict=True)) if a != b]
+    i = changed[0] if changed else len(reference) - 1  # the longest prompt when the tokens agree
+    finding = diagnose_seeds(ctx.spec, ckpt, reference_prompt(ckpt, i), SEEDS)
+    if finding is None and not changed:
+        return {"deterministic_seeds": list(SEEDS)}
+    a, b = SEEDS
+    runs = f"Two runs at tensor_parallel_size=1 that differ only in the seed ({a} and {b})"
+    if changed:
+        what = f"{runs} generate different tokens (prompt {i}: {reference[i]} vs {again[i]})"
+    else:
+        what = f"{runs} generate the same tokens, but not the same module outputs (prompt {i})"
+    found = finding.text if finding is not None else (
+        f"The hooked forward of prompt {i} (its prefill, without the KV cache) gives the same output in every module "
+        f"under both seeds: the difference arises in decoding with the KV cache.")
+    unused = " Its tensor parallelism was not compared (its seeded-alike ranks agree whatever the seed does)."
+    raise CheckFailure(
+        f"{ctx.architecture} is nondeterministic: {what}. {found}{unused if ctx.tp > 1 else ''}",
+        {"kind": "nondeterministic", "seeds": list(SEEDS), "outputs": reference, "outputs_other_seed": again,
+         "module": finding.module if finding is not None else None})
+
+
+def verify_kv_cache(ctx: CheckContext, ckpt: Any, outputs: list[list[int]]) -> dict[str, Any]:
+    """Fail when a token the engine generated with the KV cache is not what recomputing its prefix without the
+    cache gives (kv_consistency), or when that TP=1 build touches CUDA (strict: queries it); return the run's
+    detail."""
+    from pytest_enginecheck.targets.engine_ref import kv_consistency
+
+    vocab_prompts = [reference_prompt(ckpt, i) for i in range(len(outputs))]
+    mismatch = kv_consistency.first_kv_mismatch(ctx.spec, ckpt, vocab_prompts, outputs, seed=SEEDS[0],
+                                                strict=ctx.strict)
+    if mismatch is None:
+        return {"kv_cache_equals_recompute": True}
+    if "cuda_access" in mismatch:  # the engine's workers build it unguarded: its own TP=1 build tells
+        access = mismatch["cuda_access"]
+        verb = "queries CUDA" if access.kind == "query" else "touches CUDA"
+        raise CheckFailure(f"{ctx.architecture} imports cleanly but {verb} while it is built and loaded: it "
+                           f"{access.describe()}\n{BUILD_CUDA_HINT}",
+                           {**access.to_dict(), "kind": "cuda_build", "access": access.kind})
+    raise CheckFailure(kv_consistency.describe(ctx.architecture, mismatch, vocab_prompts),
+                       {"kind": "kv_cache_mismatch", "outputs": outputs, **mismatch})
+
+
+def run(ctx: CheckContext) -> dict[str, Any]:
+    since = time.monotonic()
+    ckpt = tiny_checkpoint(ctx, engine_ref_registry(ctx.spec))
+    verify_tp(ckpt, ctx.tp)
+    try:
+        outputs, report = greedy(ctx, ckpt, ctx.tp)
+    except CheckFailure as failure:
+        if ctx.tp == 1:
+            raise
+        diagnosis = _diagnosis(ctx, ckpt, reference_prompt(ckpt, 1), started=False, since=since)
+        if diagnosis.module is None:  # the engine's own words stand, with what the diagnosis could say
+            raise CheckFailure(f"{failure.message} {diagnosis.text}",
+                               {**failure.detail, "diagnosis": diagnosis.text}) from None
+        raise CheckFailure(f"{ctx.architecture} fails to start at tensor_parallel_size={ctx.tp}: {diagnosis.text}",
+                           {**failure.detail, "kind": "tp_mismatch", "diagnosis": diagnosis.text}) from None
+    detail: dict[str, Any] = {
+        "tensor_parallel_size": ctx.tp,
+        "bytes_read_per_rank": [w.bytes_read for w in report.workers],
+        "load_seconds_per_rank": [round(w.phases.get("load_model", 0.0), 4) for w in report.workers],
+    }
+    if ctx.tp == 1:
+        detail.update(verify_deterministic(ctx, ckpt, outputs))
+        detail.update(verify_kv_cache(ctx, ckpt, outputs))
+        return detail
+    # The TP=1 reference runs under the other seed: equal to TP=N (under the engine's seed), it is also the
+    # determinism check's second run, for free. Unequal, TP=1 under the engine's seed tells whether the model
+    # (it differs from the other seed's run: nondeterministic) or its tensor parallelism is at fault.
+    other_seed, _ = greedy(ctx, ckpt, 1, seed=SEEDS[1])
+    reference = other_seed if other_seed == outputs else greedy(ctx, ckpt, 1)[0]
+    detail.update(verify_deterministic(ctx, ckpt, reference, again=other_seed))
+    mismatched = [i for i, (a, b) in enumerate(zip(outputs, reference, strict=True)) if a != b]
+    if mismatched:
+        i = mismatched[0]
+        diagnosis = _diagnosis(ctx, ckpt, reference_prompt(ckpt, i))
+        raise CheckFailure(
+            f"At tensor_parallel_size={ctx.tp}, {ctx.architecture} generates different tokens than at "
+            f"tensor_parallel_size=1 (prompt {i}: {outputs[i]} vs {reference[i]}). {diagnosis.text}",
+            {**detail, "kind": "tp_mismatch", "outputs": outputs, "reference": reference,
+             "diagnosis": diagnosis.text})
+    detail.update(verify_same_forward(ctx, ckpt, len(outputs) - 1))
+    return detail
+
+
+def verify_same_forward(ctx: CheckContext, ckpt: Any, i: int) -> dict[str, Any]:
+    """Fail when TP=N's greedy tokens equal TP=1's but one hooked prefill of prompt ``i`` does not end in TP=1's
+    hidden states (the output of the module that finishes last, whole on every rank, within tp_diagnosis's float32
+    tolerance); then tp_diagnosis names the first module that differs. Return the run's detail.
+
+    Equal tokens are a weak oracle for a tiny model, whose output distribution is nearly flat: a sharding bug that
+    keeps every greedy token (a shard scaled by 1.01) still changes what the model computes. Only the final output
+    decides, not every module's: a module whose rank outputs the diagnosis puts back together by their shapes alone
+    (a per-head norm over flattened heads) can look different when it is not. Two hooked forwards (TP=1 and TP=N,
+    one prompt) cost less than one engine start."""
+    import torch
+
+    from pytest_enginecheck.multirank import run_multirank
+    from pytest_enginecheck.targets.engine_ref.tp_diagnosis import ATOL, RTOL, capture, explain_tp
+
+    prompt, timeout = reference_prompt(ckpt, i), max(10.0, ctx.timeout * 0.4)
+    try:
+        (one,) = run_multirank(capture, 1, ctx.spec, str(ckpt), prompt, timeout=timeout)
+        ranks = run_multirank(capture, ctx.tp, ctx.spec, str(ckpt), prompt, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - the tokens agreed; the detail says why the forwards were not compared
+        return {"forward_not_compared": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"}
+    failed = one.error or next((r.error for r in ranks if r.error is not None), None)
+    last = one.order[-1] if one.order else None
+    if failed is not None or last is None or any(last not in r.outputs for r in ranks):
+        return {"forward_not_compared": f"the hooked forward raised {failed}" if failed else
+                f"no rank output of {last or 'any module'} was captured"}
+    full = one.outputs[last].float()
+    parts = [r.outputs[last].float() for r in ranks]
+    if any(p.shape != full.shape for p in parts):
+        return {"forward_not_compared": f"{last}'s output is not whole on every rank"}
+    difference = max(float((p - full).abs().max()) for p in parts) if full.numel() else 0.0
+    if all(torch.allclose(p, full, atol=ATOL, rtol=RTOL) for p in parts):
+        return {"forward_compared": last, "forward_max_difference": difference}
+    diagnosis = explain_tp(one, ranks, ctx.tp)
+    raise CheckFailure(
+        f"At tensor_parallel_size={ctx.tp}, {ctx.architecture} generates the same greedy tokens as at "
+        f"tensor_parallel_size=1, but other hidden states: {last}'s output in the prefill of prompt {i} differs by "
+        f"{difference:.3g} (max abs), above the tolerance {ATOL:g} + {RTOL:g} |x|. {diagnosis.text}",
+        {"kind": "tp_mismatch", "tensor_parallel_size": ctx.tp, "module": diagnosis.module,
+         "forward_max_difference": difference, "diagnosis": diagnosis.text})
+
+
+def reference_prompt(ckpt: Any, i: int) -> list[int]:
+    """Prompt ``i`` of the fixed prompts, in the checkpoint's vocabulary."""
+    import json
+
+    config = json.loads((ckpt / "config.json").read_text())
+    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    return prompts(vocab)[i]

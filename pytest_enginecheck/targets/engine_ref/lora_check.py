@@ -1,0 +1,100 @@
+"""lora: a tiny PEFT adapter loads into the slots the engine preallocates at TP=N, and changes greedy tokens
+as at TP=1.
+
+The architecture's tiny checkpoint gets a random adapter (``make_lora``, fixed seed) on every module
+LoRA can run on. The engine starts at TP=N with ``enable_lora=True``; greedy tokens with the adapter
+must equal TP=1's with the adapter (A and B shard as the base layers do) and differ from the tokens
+without it (the LoRA layers are applied). Architectures whose class does not declare SupportsLoRA skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
+from pytest_enginecheck.targets.engine_ref.registry import engine_ref_registry
+from pytest_enginecheck.targets.engine_ref.tiny_engine import (
+    MAX_TOKENS,
+    prompts,
+    start_engine,
+    tiny_checkpoint,
+    verify_tp,
+)
+
+LORA_RANK = 8
+MAX_LORAS = 2
+
+
+def tiny_adapter(ctx: CheckContext, ckpt: Path) -> Path:
+    """The architecture's tiny adapter under the session's workdir, made once (atomically)."""
+    from engine_ref.errors import EngineRefError
+    from engine_ref.lora.checkpoint import make_lora
+
+    path = Path(ctx.workdir) / f"{ctx.architecture}-lora"
+    if (path / "adapter_config.json").exists():
+        return path
+    tmp = Path(tempfile.mkdtemp(dir=ctx.workdir, prefix=f".{ctx.architecture}-lora-"))
+    try:
+        make_lora(ckpt, tmp, r=LORA_RANK, seed=0)
+        os.replace(tmp, path)
+    except EngineRefError as e:
+        raise CheckFailure(f"No LoRA adapter can be made for {ctx.architecture}: {e}", {"kind": "make_lora"}) from None
+    except OSError:  # another process of this session made it first
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def generate(ctx: CheckContext, ckpt: Path, tp: int, adapter: Path) -> tuple[list[list[int]], list[list[int]], Any]:
+    """Greedy tokens of the fixed prompts with the adapter and without it at ``tp``, and the startup report."""
+    from engine_ref.errors import EngineRefError
+    from engine_ref.lora.request import LoRARequest
+
+    with start_engine(ctx, ckpt, tp, enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=LORA_RANK) as llm:
+        batch = prompts(llm.engine.config.model_config.hf_text_config.vocab_size)
+        try:
+            with_lora = llm.generate(batch, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                     lora_request=LoRARequest("enginecheck", 1, str(adapter)))
+            without = llm.generate(batch, max_tokens=MAX_TOKENS, ignore_eos=True)
+        except EngineRefError as e:
+            raise CheckFailure(f"{ctx.architecture} at tensor_parallel_size={tp} failed to generate with a LoRA "
+                               f"adapter: {e}", {"kind": type(e).__name__}) from None
+        return with_lora, without, llm.startup_report
+
+
+def run(ctx: CheckContext) -> dict[str, Any]:
+    from engine_ref.model_executor.models.interfaces import ModelInfo
+
+    registry = engine_ref_registry(ctx.spec)
+    info = ModelInfo.from_model_cls(ctx.architecture, registry.resolve_model_cls(ctx.architecture))
+    if not info.supports_lora:
+        raise CheckSkip(f"{ctx.architecture} does not declare SupportsLoRA, so the engine refuses enable_lora for it")
+    ckpt = tiny_checkpoint(ctx, registry)
+    verify_tp(ckpt, ctx.tp)
+    adapter = tiny_adapter(ctx, ckpt)
+    with_lora, without, report = generate(ctx, ckpt, ctx.tp, adapter)
+    detail: dict[str, Any] = {"tensor_parallel_size": ctx.tp, "max_loras": MAX_LORAS, "max_lora_rank": LORA_RANK,
+                              "lora_bytes_per_rank": [w.memory.lora for w in report.workers],
+                              "outputs": with_lora, "base_outputs": without}
+    if with_lora == without:
+        raise CheckFailure(
+            f"At tensor_parallel_size={ctx.tp}, {ctx.architecture} generates the same tokens with a LoRA adapter as "
+            f"without it: its LoRA layers are not applied. Check that the model calls the layers LoRA wraps "
+            f"(their forward), not their weights directly.", {**detail, "kind": "lora_not_applied"})
+    if ctx.tp > 1:
+        reference, _, _ = generate(ctx, ckpt, 1, adapter)
+        detail["reference"] = reference
+        mismatched = [i for i, (a, b) in enumerate(zip(with_lora, reference, strict=True)) if a != b]
+        if mismatched:
+            i = mismatched[0]
+            raise CheckFailure(
+                f"At tensor_parallel_size={ctx.tp}, {ctx.architecture} with a LoRA adapter generates different tokens "
+                f"than at tensor_parallel_size=1 (prompt {i}: {with_lora[i]} vs {reference[i]}): the adapter's A or "
+                f"B is sharded unlike its base layer. Check the output_shard / input_start of the layers this model "
+                f"changed: LoRA reads its slices from them.", {**detail, "kind": "tp_mismatch"})
+    return detail

@@ -1,0 +1,119 @@
+"""The vLLM target: vLLM's registry, plugins and CPU engine, probed rather than pinned.
+
+- ``probe``: what the installed vLLM offers (registry, ModelInfo builder, inspection subprocess,
+  plugin loader, CPU backend); every touch of a vLLM API goes through it.
+- ``plugins``: vLLM's general plugins, one entry point at a time under the CUDA guard (the target's PluginLoader).
+- ``registry``: every architecture (string- or class-registered), imported and inspected under the guard.
+- ``preload`` / ``warm``: the modules many model modules share, found from the target, preloaded in the warm parent.
+- ``checkpoints``: tiny HF checkpoints from transformers' config classes.
+- ``engine`` / ``memory`` / ``failures`` / ``diagnosis``: vLLM's own engine on CPU ranks, its per-rank memory, its
+  failures, the first module that differs between TP sizes.
+- ``checks``: the check functions the runner calls for ``--enginecheck-target=vllm``.
+
+Importing this package imports neither torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from pytest_enginecheck.checks.plugins_check import plugin_errors
+from pytest_enginecheck.targets import (
+    ArchEntry,
+    CheckFunction,
+    Offer,
+    PluginGroup,
+    PluginLoader,
+    Target,
+    TargetDescription,
+    TargetError,
+    without_failed,
+)
+
+# The engine's own packages: strict mode does not blame a model for the CUDA queries made while they are imported
+# (see guard.CudaGuard).
+ENGINE_PACKAGES = ("vllm",)
+CHECKS = ("plugins", "import", "inspect")
+ENGINE_CHECKS = ("load", "budget", "startup")  # with a CPU build of vLLM
+NOT_YET = "not implemented for the vLLM target yet: they run on engine_ref targets"
+
+
+class VllmTarget(Target):
+    """``--enginecheck-target=vllm``: every registry entry after vLLM's general plugins loaded."""
+
+    name = "vllm"
+    label = "vLLM"
+    plugin_group = PluginGroup("vllm.general_plugins", "VLLM_PLUGINS")
+    engine_packages = ENGINE_PACKAGES
+
+    def offered(self) -> Offer:
+        """The engine checks where vLLM can start its CPU engine here (decided without importing vLLM)."""
+        from pytest_enginecheck.targets.vllm.probe import cpu_backend_missing
+
+        missing = cpu_backend_missing()
+        checks = CHECKS if missing else (*CHECKS, *ENGINE_CHECKS)
+        refused = [(check, missing) for check in ENGINE_CHECKS if missing]
+        return Offer(checks, (*refused, ("lora", NOT_YET), ("quant", NOT_YET)))
+
+    def describe(self, strict: bool = False) -> TargetDescription:
+        from pytest_enginecheck.targets.vllm.env import output_into
+        from pytest_enginecheck.targets.vllm.plugins import list_plugins, load_plugins
+        from pytest_enginecheck.targets.vllm.probe import VllmUnavailable
+        from pytest_enginecheck.targets.vllm.registry import list_architectures
+
+        with tempfile.TemporaryFile() as log:  # vLLM's log lines: shown only when describing fails
+            try:
+                with output_into(log.fileno()):
+                    found, plugins = list_architectures(strict=strict), list_plugins()
+                    errors = plugin_errors(self, load_plugins(strict=strict))  # loaded once, by list_architectures
+            except VllmUnavailable as e:
+                raise TargetError(f"--enginecheck-target=vllm: {e}") from None
+            except Exception as e:  # noqa: BLE001 - told with what vLLM printed
+                log.seek(0)
+                printed = log.read().decode(errors="replace").strip()[-4000:]
+                raise TargetError(f"--enginecheck-target=vllm could not be loaded: {type(e).__name__}: {e}"
+                                  + (f"\nIts output:\n{printed}" if printed else "")) from None
+        entries, listed = without_failed((ArchEntry(e.architecture, e.module, e.class_name) for e in found),
+                                         plugins, errors)
+        return TargetDescription(self.spec, self.name, entries, self.offered(), listed, errors)
+
+    def check_function(self, check: str) -> CheckFunction:
+        if check == "plugins":
+            from pytest_enginecheck.checks.plugins_check import run
+
+            return run
+        from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
+
+        return CHECK_FUNCTIONS[check]
+
+    def plugin_loader(self) -> PluginLoader:
+        from pytest_enginecheck.targets.vllm import plugins
+
+        return plugins
+
+    def prepare_children(self, workdir: str) -> None:
+        from pytest_enginecheck.targets.vllm.env import redirect_caches
+
+        redirect_caches(workdir)
+
+    def warm_parent_modules(self, checks: tuple[str, ...], strict: bool = False) -> tuple[str, ...]:
+        """``warm``, which imports the preload derived from the target (``preload``, cached on disk) under the guard
+        (strict with ``--enginecheck-strict``), and vLLM's ``LLM`` when an engine check runs."""
+        from pytest_enginecheck.targets.vllm.preload import (
+            PRELOAD_STRICT_VARIABLE,
+            PRELOAD_VARIABLE,
+            preload_modules,
+        )
+
+        os.environ[PRELOAD_STRICT_VARIABLE] = "1" if strict else "0"
+        names = preload_modules()
+        if set(checks) & set(ENGINE_CHECKS):
+            names.append("vllm.entrypoints.llm")
+        os.environ[PRELOAD_VARIABLE] = ",".join([*names, "pytest_enginecheck.targets.vllm.checks"])
+        return ("pytest_enginecheck.targets.vllm.warm",)
+
+
+def target(spec: str) -> VllmTarget:
+    """The entry point (``pytest_enginecheck.targets``: ``vllm``)."""
+    return VllmTarget(spec)

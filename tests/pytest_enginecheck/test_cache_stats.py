@@ -1,0 +1,74 @@
+"""What a ``pytest --enginecheck`` run says about its own cost: the ModelInfo cache line (a second run over the zoo is
+all hits, an edited model reads as "source changed"), the JSON report's ``cache``, and each result's child start
+and answer time and payload bytes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BUNDLED = 5
+TINY_MODEL = '''
+class TinyForCausalLM:
+    example_config = {"architectures": ["TinyForCausalLM"]}
+
+    def forward(self, input_ids, positions):
+        return input_ids
+
+    def compute_logits(self, hidden_states):
+        return hidden_states
+
+    def load_weights(self, weights):
+        return set()
+'''
+
+
+@pytest.fixture
+def cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A ModelInfo cache root of this test's own, which the runs (and their check children) inherit."""
+    root = tmp_path / "modelinfo-cache"
+    monkeypatch.setenv("ENGINE_REF_CACHE_ROOT", str(root))
+    monkeypatch.setenv("ENGINE_REF_PLUGINS", "")
+    return root
+
+
+def run(pytester: pytest.Pytester, name: str, *args: str) -> tuple[pytest.RunResult, dict[str, Any]]:
+    """One ``pytest --enginecheck`` run of the import and inspect checks; its output and JSON report."""
+    report = pytester.path / f"{name}.json"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--enginecheck", "-m", "enginecheck",
+                                           "--enginecheck-checks=import,inspect", f"--enginecheck-json={report}",
+                                           *args, timeout=300)
+    assert result.ret == 0, result.stdout.str() + result.stderr.str()
+    return result, json.loads(report.read_text())
+
+
+def test_a_second_run_over_the_zoo_is_all_hits(pytester: pytest.Pytester, cache_root: Path) -> None:
+    first, report = run(pytester, "first")
+    first.stdout.fnmatch_lines(["ModelInfo cache: 0 from memory, 0 from disk, 5 inspected (5 missing), 0 corrupt"])
+    assert report["cache"] == {"memory": 0, "disk": 0, "missing": BUNDLED, "source_changed": 0, "format_version": 0,
+                               "no_source": 0, "corrupt": 0}
+    second, report = run(pytester, "second")
+    second.stdout.fnmatch_lines(["ModelInfo cache: 0 from memory, 5 from disk, 0 inspected, 0 corrupt"])
+    assert report["cache"]["disk"] == BUNDLED and sum(report["cache"].values()) == BUNDLED
+    for r in report["results"]:
+        # the child's start and answer are parts of "process"; payloads both ways are counted
+        assert 0 < r["phases"]["process.start"] + r["phases"]["process.answer"] <= r["phases"]["process"]
+        assert r["detail"]["payload_bytes"]["sent"] > 100 and r["detail"]["payload_bytes"]["received"] > 100
+        assert ("cache" in r["detail"]) == (r["check"] == "inspect")  # the import check looks nothing up
+
+
+def test_an_edited_model_reads_as_source_changed(pytester: pytest.Pytester, cache_root: Path) -> None:
+    pytester.makepyfile(tiny_model=TINY_MODEL, targets='MODELS = {"TinyForCausalLM": "tiny_model:TinyForCausalLM"}\n')
+    pytester.makeini("[pytest]\npythonpath = .\n")
+    target = "--enginecheck-target=targets:MODELS"
+    run(pytester, "first", target)[0].stdout.fnmatch_lines(["ModelInfo cache: * 1 inspected (1 missing), 0 corrupt"])
+    run(pytester, "same", target)[0].stdout.fnmatch_lines(["ModelInfo cache: 0 from memory, 1 from disk, 0 inspected*"])
+    model = pytester.path / "tiny_model.py"
+    model.write_text(model.read_text() + "# an edit\n")
+    edited, report = run(pytester, "edited", target)
+    edited.stdout.fnmatch_lines(["ModelInfo cache: 0 from memory, 0 from disk, 1 inspected (1 source changed), "
+                                 "0 corrupt"])
+    assert report["cache"]["source_changed"] == 1

@@ -1,0 +1,482 @@
+"""The vLLM target's pure parts, tested without vLLM (the project venv has none): failure classification, root
+lines, the environment set-up, the tiny-config shrinking rules (``tiny_config`` itself, which imports
+transformers, is the vllm tier's), TP verification, the log-probability comparison,
+the rank wait (real forked rank processes, no engine in them) and the probe's degradation on fake ``vllm`` trees."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_enginecheck.checks import CheckContext, CheckSkip
+
+
+def _load_file(path: Path, name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- failures.classify: the phase, the rank, the root exception, the user's own frames -------------------------
+
+USER_MODEL = '''\
+def forward(x):
+    raise ValueError(f"shape mismatch: {x}")
+'''
+# Functions named as vLLM's startup phases (failures.PHASES), in a file outside this plugin: the classification
+# reads frame names, so these stand for vLLM's frames.
+ENGINE = '''\
+def create_engine_config(model):
+    return load_model(model)
+
+
+def load_model(model):
+    try:
+        model.forward(3)
+    except ValueError as e:
+        raise RuntimeError("Worker failed with error 'shape mismatch: 3'") from e
+'''
+
+
+def test_classify_names_the_innermost_phase_the_root_exception_and_the_users_frames(tmp_path: Path) -> None:
+    from pytest_enginecheck.targets.vllm.failures import classify
+
+    (tmp_path / "user_model.py").write_text(USER_MODEL)
+    (tmp_path / "fake_engine.py").write_text(ENGINE)
+    model = _load_file(tmp_path / "user_model.py", "user_model")
+    engine = _load_file(tmp_path / "fake_engine.py", "fake_engine")
+    with pytest.raises(RuntimeError) as raised:
+        engine.create_engine_config(model)
+    failure = classify(raised.value, rank=1)
+    assert (failure.phase, failure.rank) == ("load_model", 1)  # load_model runs inside create_engine_config
+    assert failure.exception == "ValueError: shape mismatch: 3"  # the root, not the wrapper
+    assert "user_model.py" in failure.user_frames and 'raise ValueError(f"shape mismatch: {x}")' in failure.user_frames
+    assert "RuntimeError: Worker failed" in failure.traceback
+    assert failure.describe("MyForCausalLM", 2) == (
+        "MyForCausalLM failed in phase load_model on rank 1 at tensor_parallel_size=2: ValueError: shape mismatch: 3"
+        f"\nIn your code:\n{failure.user_frames}")
+
+
+def test_classify_keeps_library_and_plugin_frames_out_of_the_users_and_defaults_to_startup() -> None:
+    from pytest_enginecheck.targets.vllm.failures import classify
+
+    try:
+        json.loads("{")  # raised in the standard library, called from this plugin's tests
+    except ValueError as e:
+        failure = classify(e, rank=0)
+    assert failure.phase == "startup"
+    assert failure.user_frames == ""
+    assert failure.describe("X", 1) == f"X failed in phase startup on rank 0 at tensor_parallel_size=1: " \
+                                       f"{failure.exception}"
+    assert failure.exception.startswith("json.decoder.JSONDecodeError: Expecting property name")
+
+
+def test_root_line_is_the_last_exception_line_of_a_traceback() -> None:
+    from pytest_enginecheck.targets.vllm.registry import root_line
+
+    text = textwrap.dedent('''\
+        Traceback (most recent call last):
+          File "/x/registry.py", line 12, in _run
+            raise RuntimeError("first")
+        RuntimeError: first
+
+        During handling of the above exception, another exception occurred:
+
+        Traceback (most recent call last):
+          File "/x/model.py", line 3, in <module>
+            import flash_attn
+        ModuleNotFoundError: No module named 'flash_attn'
+          some trailing log line
+        ''')
+    assert root_line(text) == "ModuleNotFoundError: No module named 'flash_attn'"
+    assert root_line("just one line") == "just one line"
+    assert root_line("  \n") == ""
+
+
+# --- env: the CPU engine's settings and where vLLM's caches go ------------------------------------------------
+
+def test_cpu_engine_env_binds_one_core_per_rank_round_robin() -> None:
+    from pytest_enginecheck.targets.vllm.env import KV_CACHE_GIB, cpu_engine_env
+
+    cores = sorted(os.sched_getaffinity(0))
+    env = cpu_engine_env(len(cores) + 1)
+    bind = env["VLLM_CPU_OMP_THREADS_BIND"].split("|")
+    assert bind == [str(c) for c in cores] + [str(cores[0])]  # one more rank than cores: back to the first
+    assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_KVCACHE_SPACE"] == str(KV_CACHE_GIB)
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert cpu_engine_env(1)["VLLM_CPU_OMP_THREADS_BIND"] == str(cores[0])
+
+
+def test_redirect_caches_fills_only_the_variables_the_user_left_unset(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_enginecheck.targets.vllm.env import CACHE_VARIABLES, redirect_caches
+
+    for name in CACHE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", "/users/own/cache")
+    redirect_caches(str(tmp_path))
+    assert os.environ["VLLM_CACHE_ROOT"] == "/users/own/cache"
+    for name in CACHE_VARIABLES[1:]:
+        assert os.environ[name] == str(tmp_path / "caches" / name.lower())
+        assert Path(os.environ[name]).is_dir()
+
+
+# --- checkpoints: the tiny-config shrinking rules -------------------------------------------------------------
+
+def test_tiny_sizes_shrink_only_the_fields_a_config_has() -> None:
+    from pytest_enginecheck.targets.vllm.checkpoints import TINY_SIZES, tiny_sizes
+
+    sizes = tiny_sizes({"hidden_size": 4096, "num_attention_heads": 32, "head_dim": 128, "rope_theta": 1e6})
+    assert sizes == {"hidden_size": 64, "num_attention_heads": 2, "head_dim": 32}
+    assert sizes["hidden_size"] == sizes["num_attention_heads"] * sizes["head_dim"]
+    assert TINY_SIZES["head_dim"] >= 32  # vLLM's CPU attention rejects head_dim 16
+
+
+def test_tiny_sizes_keep_a_top1_router_top1_and_make_every_layer_full_attention() -> None:
+    from pytest_enginecheck.targets.vllm.checkpoints import tiny_sizes
+
+    top1 = tiny_sizes({"num_local_experts": 16, "num_experts_per_tok": 1})
+    assert top1 == {"num_local_experts": 4, "num_experts_per_tok": 1}
+    assert tiny_sizes({"num_experts": 64, "num_experts_per_tok": 8})["num_experts_per_tok"] == 2
+    assert tiny_sizes({"num_experts_per_tok": None}) == {"num_experts_per_tok": 2}
+    layered = tiny_sizes({"num_hidden_layers": 40, "layer_types": ["sliding_attention"] * 40})
+    assert layered == {"num_hidden_layers": 2, "layer_types": ["full_attention", "full_attention"]}
+
+
+# --- checks: TP verification and the log-probability comparison -----------------------------------------------
+
+def _ckpt(tmp_path: Path, **config: Any) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_verify_tp_skips_a_size_the_heads_cannot_be_split_over(tmp_path: Path) -> None:
+    from pytest_enginecheck.targets.vllm.checks import _fits, _verify_tp
+
+    ckpt = _ckpt(tmp_path, num_attention_heads=6)
+    _verify_tp(ckpt, 2)
+    _verify_tp(ckpt, 3)
+    with pytest.raises(CheckSkip, match="num_attention_heads=6 cannot be split over tensor_parallel_size=4"):
+        _verify_tp(ckpt, 4)
+    assert [_fits(ckpt, tp) for tp in (1, 2, 4, 6)] == [True, True, False, True]
+
+
+def test_logprob_difference_is_the_worst_token_both_runs_report_and_where() -> None:
+    from pytest_enginecheck.targets.vllm.checks import logprob_difference
+
+    reference = [[{"5": -1.0, "7": -2.0}, {"3": -0.5}], [{"1": -0.1}]]
+    run = [[{"5": -1.0, "9": -3.0}, {"3": -0.5}], [{"1": -0.1004, "2": -9.0}]]
+    difference, prompt, position = logprob_difference(run, reference)
+    assert (prompt, position) == (1, 1)  # position 0 predicts nothing: positions count from 1
+    assert difference == pytest.approx(4e-4)
+    assert logprob_difference(reference, reference) == (0.0, 0, 0)
+    with pytest.raises(ValueError):  # a run with other positions than its reference is not comparable
+        logprob_difference([[{"5": -1.0}]], reference)
+
+
+# --- engine: the ranks' one deadline wait (real forked processes, no vLLM in them) ---------------------------
+
+def _answer(conn: Connection) -> None:
+    import cloudpickle
+
+    from pytest_enginecheck.targets.vllm.engine import EngineRun
+
+    conn.send_bytes(cloudpickle.dumps(("ok", EngineRun(2, "warm", [[1, 2]], [{"rank": 0}]))))
+
+
+def _answer_then_linger(conn: Connection) -> None:
+    _answer(conn)
+    time.sleep(3600)  # e.g. a non-daemon thread of the engine that keeps its rank alive
+
+
+def _hang_in(conn: Connection) -> None:
+    def waiting_for_its_peer() -> None:
+        time.sleep(3600)
+
+    waiting_for_its_peer()
+
+
+def _die(conn: Connection) -> None:
+    os._exit(3)
+
+
+def _fail(conn: Connection) -> None:
+    import cloudpickle
+
+    from pytest_enginecheck.targets.vllm.failures import EngineFailure
+
+    conn.send_bytes(cloudpickle.dumps(("error", EngineFailure("load_model", 1, "ValueError: x", "", ""), "x")))
+
+
+def _wait(*targets: Any, timeout: float, grace_s: float | None = None) -> tuple[Any, float, float]:
+    """Start one process per target as the engine starts its ranks, wait for them and close them as it does:
+    (what the wait returned or raised, its seconds, the seconds closing the ranks took). None is left running."""
+    from engine_ref.isolation import AnswerWait, Deadline, start_process
+    from pytest_enginecheck.targets.vllm.engine import SHUTDOWN_GRACE_S, _close_ranks, _gather
+
+    ctx = multiprocessing.get_context("fork")
+    procs, readers = {}, {}
+    for rank, target in enumerate(targets):
+        readers[rank], writer = ctx.Pipe(duplex=False)
+        procs[rank] = start_process(target, writer, name=f"rank-{rank}", ctx=ctx)
+        writer.close()
+    pids = [p.pid for p in procs.values()]
+    started = time.monotonic()
+    try:
+        outcome: Any = _gather(AnswerWait(readers, {r: p.sentinel for r, p in procs.items()}, Deadline(timeout)),
+                               procs, timeout)
+    except Exception as e:  # noqa: BLE001 - the outcome under test
+        outcome = e
+    waited = time.monotonic() - started
+    _close_ranks(procs, Deadline(SHUTDOWN_GRACE_S if grace_s is None else grace_s))
+    closed = time.monotonic() - started - waited
+    for reader in readers.values():
+        reader.close()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    return outcome, waited, closed
+
+
+def test_every_pending_ranks_stacks_at_the_deadline_and_one_bounded_shutdown() -> None:
+    from pytest_enginecheck.targets.vllm.engine import EngineStartError
+
+    error, waited, closed = _wait(_answer, _hang_in, _hang_in, timeout=2.0)
+    assert isinstance(error, EngineStartError), error
+    assert error.failure.phase == "timeout" and error.failure.rank == 1
+    assert str(error).startswith("rank 1, 2 did not finish within 2 s; their Python stacks at that moment:")
+    for rank in (1, 2):
+        stack = str(error).split(f"rank {rank}:\n", 1)[1]
+        assert "in waiting_for_its_peer" in stack.split("rank 2:\n")[0]
+    assert waited < 2.0 + 2 * 1.5, waited  # the deadline, then each pending rank's stacks (~1 s each at most)
+    assert closed < 1.0, closed  # the hung ranks were killed with their stacks: no grace spent on them
+
+
+def test_a_rank_that_dies_is_named_with_its_exit_and_its_hung_peer_costs_no_grace() -> None:
+    from pytest_enginecheck.targets.vllm.engine import FAILURE_GRACE_S, EngineStartError
+
+    error, waited, closed = _wait(_hang_in, _die, timeout=60.0)
+    assert isinstance(error, EngineStartError), error
+    assert str(error) == "rank 1 exited with code 3 before returning a result"
+    assert (error.failure.phase, error.failure.rank) == ("startup", 1)
+    assert waited < FAILURE_GRACE_S + 5.0, waited
+    assert closed < 1.0, closed
+
+
+def test_a_death_is_the_cause_over_the_error_its_peer_raises_after_it() -> None:
+    from pytest_enginecheck.targets.vllm.engine import EngineStartError
+
+    error, _, _ = _wait(_fail, _die, timeout=60.0)
+    assert isinstance(error, EngineStartError) and "rank 1 exited with code 3" in str(error), error
+    error, _, _ = _wait(_answer, _fail, timeout=60.0)
+    assert isinstance(error, EngineStartError) and error.failure.phase == "load_model", error
+
+
+def test_ranks_that_linger_after_answering_share_one_grace() -> None:
+    runs, _, closed = _wait(_answer_then_linger, _answer_then_linger, _answer_then_linger, timeout=60.0, grace_s=1.0)
+    assert len(runs) == 3
+    assert 1.0 <= closed < 2.0, closed  # one grace for the three of them, not one each
+
+
+def test_ranks_that_answer_are_gathered_in_rank_order() -> None:
+    runs, _, closed = _wait(_answer, _answer, timeout=60.0)
+    assert [r.tokens for r in runs] == [[[1, 2]], [[1, 2]]]
+    assert closed < 5.0, closed
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
+def test_the_all_reduce_segments_a_rank_left_are_unlinked_unless_someone_holds_them() -> None:
+    from pytest_enginecheck.targets.vllm.engine import SHM_DIR, _remove_left_shm, _shm_entries
+
+    before = _shm_entries()
+    tag = f"enginecheck-test-{os.getpid()}"
+    left, held, other = (os.path.join(SHM_DIR, f"{tag}-{n}") for n in ("tp:0-[0-1]-cpushm_1", "tp:0-[0-1]-cpushm_0",
+                                                                        "not-vllms"))
+    for path in (left, held, other):
+        Path(path).write_bytes(b"x")
+    try:
+        with open(held, "rb"):  # a running engine's segment (here: open in this process)
+            _remove_left_shm(before)
+            assert (os.path.exists(left), os.path.exists(held), os.path.exists(other)) == (False, True, True)
+    finally:
+        for path in (left, held, other):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+# --- probe: a vLLM that lacks what the adapter needs ends in one clear VllmUnavailable ------------------------
+
+FAKE_VLLM = {
+    "vllm/__init__.py": '__version__ = "0.0.fake"\n\n\nclass LLM:\n    def collective_rpc(self, fn):\n'
+                        '        return []\n\n\nclass SamplingParams:\n'
+                        '    def __init__(self, logprobs=None, prompt_logprobs=None):\n        pass\n',
+    "vllm/utils/__init__.py": "",
+    "vllm/utils/network_utils.py": "def get_open_port():\n    return 12345\n",
+    "vllm/distributed/__init__.py": "",
+    "vllm/distributed/parallel_state.py": "def cleanup_dist_env_and_memory():\n    pass\n",
+    "vllm/model_executor/__init__.py": "",
+    "vllm/model_executor/model_loader/__init__.py": "",
+    "vllm/model_executor/model_loader/utils.py": "def initialize_model(vllm_config, prefix=''):\n    pass\n",
+    "vllm/envs.py": "VLLM_PLUGINS = ['clean']\n",
+}
+
+
+@pytest.fixture
+def fake_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """``make(files, drop=())``: a fake ``vllm`` tree (FAKE_VLLM, without ``drop``, plus ``files``) on sys.path,
+    with the probe's caches cleared before and after."""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("a fake vllm tree stands in for vLLM only where none is installed (the project venv)")
+    from pytest_enginecheck.targets.vllm import probe
+
+    cached = [probe.probe, probe.sharding_api, probe.logprobs_api, probe.engine_api, probe.model_initializer]
+
+    def forget() -> None:
+        for fn in cached:
+            fn.cache_clear()
+        for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+            del sys.modules[name]
+        importlib.invalidate_caches()
+
+    def make(files: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> Path:
+        root = tmp_path / "site"
+        for name, text in {**FAKE_VLLM, **(files or {})}.items():
+            if name not in drop:
+                (root / name).parent.mkdir(parents=True, exist_ok=True)
+                (root / name).write_text(text)
+        monkeypatch.syspath_prepend(str(root))
+        forget()
+        return root
+
+    yield make
+    forget()
+
+
+def test_a_complete_fake_vllm_gives_every_api(fake_vllm: Any) -> None:
+    from pytest_enginecheck.targets.vllm.probe import allowed_plugins, engine_api, logprobs_api, model_initializer
+
+    fake_vllm()
+    api = engine_api()
+    assert api.get_open_port() == 12345 and api.cleanup is not None and api.llm.__module__ == "vllm"
+    assert model_initializer().__module__ == "vllm.model_executor.model_loader.utils"
+    assert allowed_plugins() == ["clean"]
+    assert logprobs_api().__name__ == "SamplingParams"
+
+
+def test_get_open_port_is_found_where_an_older_vllm_kept_it(fake_vllm: Any) -> None:
+    from pytest_enginecheck.targets.vllm.probe import engine_api
+
+    fake_vllm({"vllm/utils/__init__.py": "def get_open_port():\n    return 54321\n"},
+              drop=("vllm/utils/network_utils.py",))
+    assert engine_api().get_open_port() == 54321
+
+
+def test_a_vllm_without_get_open_port_anywhere_is_one_clear_unavailable(fake_vllm: Any, tmp_path: Path) -> None:
+    from pytest_enginecheck.targets.vllm.engine import run_engine
+    from pytest_enginecheck.targets.vllm.probe import VllmUnavailable
+
+    fake_vllm(drop=("vllm/utils/network_utils.py",))
+    with pytest.raises(VllmUnavailable) as raised:
+        run_engine(_ckpt(tmp_path, num_attention_heads=2, vocab_size=256), 2)  # before any rank is started
+    assert str(raised.value) == (
+        "this vLLM has no vllm.utils.network_utils.get_open_port (the module is not importable: No module named "
+        "'vllm.utils.network_utils') nor vllm.utils.get_open_port (no such attribute), which the engine checks "
+        "(load, budget, startup) start vLLM's engine with (the ranks' process group port)")
+
+
+def test_a_vllm_whose_llm_has_no_collective_rpc(fake_vllm: Any) -> None:
+    from pytest_enginecheck.targets.vllm.probe import VllmUnavailable, engine_api
+
+    fake_vllm({"vllm/__init__.py": "class LLM:\n    pass\n\n\nclass SamplingParams:\n    pass\n"})
+    with pytest.raises(VllmUnavailable, match="this vLLM's LLM has no collective_rpc"):
+        engine_api()
+
+
+def test_a_vllm_without_initialize_model(fake_vllm: Any) -> None:
+    from pytest_enginecheck.targets.vllm.probe import VllmUnavailable, model_initializer
+
+    fake_vllm(drop=("vllm/model_executor/model_loader/utils.py",))
+    with pytest.raises(VllmUnavailable, match=r"no vllm\.model_executor\.model_loader\.utils\.initialize_model "
+                                              r"\(the module is not importable.*the budget check"):
+        model_initializer()
+
+
+def test_a_vllm_without_its_registry_or_the_logprob_fields(fake_vllm: Any) -> None:
+    from pytest_enginecheck.targets.vllm.probe import VllmUnavailable, logprobs_api, probe, sharding_api
+
+    fake_vllm({"vllm/__init__.py": "class SamplingParams:\n    def __init__(self, logprobs=None):\n        pass\n"})
+    with pytest.raises(VllmUnavailable, match=r"^vLLM is not importable here \(No module named "
+                                              r"'vllm.model_executor.models'\)"):
+        probe()
+    with pytest.raises(VllmUnavailable, match="SamplingParams has no prompt_logprobs"):
+        logprobs_api()
+    with pytest.raises(VllmUnavailable, match="parallel layers are not importable"):
+        sharding_api()
+
+
+def test_the_checks_turn_a_missing_api_into_a_skip_that_names_it(fake_vllm: Any, tmp_path: Path) -> None:
+    from pytest_enginecheck.targets.vllm.checks import skips_unavailable
+    from pytest_enginecheck.targets.vllm.probe import engine_api
+
+    fake_vllm(drop=("vllm/utils/network_utils.py",))
+    ctx = CheckContext(check="load", spec="vllm", architecture="LlamaForCausalLM", module="", class_name="",
+                       workdir=str(tmp_path), tp=2)
+    with pytest.raises(CheckSkip, match=r"^this vLLM has no vllm\.utils\.network_utils\.get_open_port .*"
+                                        r"\(vLLM not installed\)$"):
+        skips_unavailable(lambda ctx: {"api": engine_api()})(ctx)
+
+
+def test_importing_the_targets_modules_imports_no_engine() -> None:
+    modules = ["checks", "engine", "memory", "plugins", "probe", "failures", "checkpoints", "diagnosis", "registry",
+               "env"]
+    code = ("import sys\n" + "".join(f"import pytest_enginecheck.targets.vllm.{m}\n" for m in modules)
+            + "print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'torch', 'transformers'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_multirank_engines_take_turns_on_the_machine_lock() -> None:
+    """Two TP>1 engines at once would collide on vLLM's rank-named shared memory: the second waits for the lock, and
+    fails naming it when the first holds it past its deadline."""
+    import fcntl
+    import os
+
+    from engine_ref.isolation import Deadline
+    from pytest_enginecheck.targets.vllm.engine import (
+        MULTIRANK_LOCK,
+        EngineStartError,
+        _one_multirank_engine_at_a_time,
+    )
+
+    with _one_multirank_engine_at_a_time(Deadline(1.0)):
+        other = os.open(MULTIRANK_LOCK, os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held
+        finally:
+            os.close(other)
+    holder = os.open(MULTIRANK_LOCK, os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        with (pytest.raises(EngineStartError, match="another vLLM engine of tensor_parallel_size>1 ran on this machine"),
+              _one_multirank_engine_at_a_time(Deadline(0.2))):
+            pass
+    finally:
+        os.close(holder)
+    with _one_multirank_engine_at_a_time(Deadline(0.2)):  # free again
+        pass
