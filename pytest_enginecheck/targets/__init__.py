@@ -17,7 +17,7 @@ import functools
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -128,28 +128,20 @@ class PluginEntry(Protocol):
     def module(self) -> str: ...
 
 
-class PluginOutcome(Protocol):
+@dataclass
+class PluginOutcome:
     """What loading one plugin under the guard did (``PluginLoader.run_plugin``)."""
 
-    @property
-    def entry(self) -> Any: ...
+    entry: Any
+    accesses: list[Any] = field(default_factory=list)  # the guard's CudaAccess records, the worst first
+    error: BaseException | None = None
+    traceback: str = ""
+    location: str | None = None  # "file:line" of the plugin's own frame that raised
+    registered: tuple[str, ...] = ()  # the architectures it added to (or replaced in) the registry (load_plugins)
 
     @property
-    def accesses(self) -> Sequence[Any]:
-        """The guard's CudaAccess records, the worst first."""
-
-    @property
-    def error(self) -> BaseException | None: ...
-
-    @property
-    def traceback(self) -> str: ...
-
-    @property
-    def location(self) -> str | None: ...
-
-    @property
-    def registered(self) -> tuple[str, ...]:
-        """The architectures it added to (or replaced in) the registry."""
+    def ok(self) -> bool:
+        return self.error is None and not self.accesses
 
 
 class PluginLoader(Protocol):

@@ -473,10 +473,105 @@ def test_multirank_engines_take_turns_on_the_machine_lock() -> None:
     holder = os.open(MULTIRANK_LOCK, os.O_RDWR)
     fcntl.flock(holder, fcntl.LOCK_EX)
     try:
-        with (pytest.raises(EngineStartError, match="another vLLM engine of tensor_parallel_size>1 ran on this machine"),
+        with (pytest.raises(EngineStartError, match="another vLLM engine of tensor_parallel_size>1 ran on"),
               _one_multirank_engine_at_a_time(Deadline(0.2))):
             pass
     finally:
         os.close(holder)
     with _one_multirank_engine_at_a_time(Deadline(0.2)):  # free again
         pass
+
+
+# --- import + inspect in one fork: the import check leaves the inspect verdict, the inspect check uses it -----------
+
+FAKE_REGISTRY = {
+    "vllm/plugins/__init__.py": "DEFAULT_PLUGINS_GROUP = 'vllm.general_plugins'\n\n\n"
+                                "def load_general_plugins():\n    pass\n",
+    "vllm/model_executor/models/__init__.py": "",
+    "vllm/model_executor/models/registry.py": '''\
+from dataclasses import dataclass
+
+
+@dataclass
+class _LazyRegisteredModel:
+    module_name: str
+    class_name: str
+
+
+@dataclass
+class _ModelInfo:
+    architecture: str
+    is_text_generation_model: bool
+
+    @staticmethod
+    def from_model_cls(model_cls):
+        if model_cls.__name__.startswith("Bad"):
+            raise ValueError(f"{model_cls.__name__} declares no rope_theta")
+        return _ModelInfo(model_cls.__name__, True)
+
+
+class _Registry:
+    models = {name: _LazyRegisteredModel("vllm.model_executor.models.toy", name)
+              for name in ("ToyForCausalLM", "BadForCausalLM")}
+
+
+ModelRegistry = _Registry()
+''',
+    "vllm/model_executor/models/toy.py": "class ToyForCausalLM:\n    pass\n\n\nclass BadForCausalLM:\n    pass\n",
+}
+
+
+def _verdict(check: str, architecture: str, workdir: Path, inspect_mode: str = "fork") -> Any:
+    from pytest_enginecheck.checks.runner import run_in_child
+
+    ctx = CheckContext(check=check, spec="vllm", architecture=architecture, module="vllm.model_executor.models.toy",
+                       class_name=architecture, workdir=str(workdir), inspect_mode=inspect_mode)
+    result = run_in_child(ctx)
+    return result.outcome, result.message, {k: v for k, v in result.detail.items() if k not in ("cached",)}
+
+
+@pytest.fixture
+def fake_registry(fake_vllm: Any, monkeypatch: pytest.MonkeyPatch) -> Path:
+    from pytest_enginecheck.targets.vllm import plugins
+
+    monkeypatch.setattr(plugins, "_loaded", None)
+    return Path(fake_vllm(FAKE_REGISTRY))
+
+
+def test_inspect_uses_the_verdict_the_import_check_built_and_imports_by_itself_without_one(
+        fake_registry: Path, tmp_path: Path) -> None:
+    from pytest_enginecheck.targets.vllm.checks import inspection_path
+
+    shared, alone = tmp_path / "session", tmp_path / "alone"
+    assert _verdict("import", "ToyForCausalLM", shared)[0] == "passed"
+    assert os.path.exists(inspection_path(CheckContext("inspect", "vllm", "ToyForCausalLM", "", "", str(shared))))
+    by_itself = _verdict("inspect", "ToyForCausalLM", alone)  # run alone (-k, another worker or shard)
+    assert by_itself[0] == "passed" and by_itself[2]["architecture"] == "ToyForCausalLM"
+    # The model's module gone: only a check that does not import it again still passes.
+    (fake_registry / "vllm/model_executor/models/toy.py").unlink()
+    del sys.modules["vllm.model_executor.models.toy"]
+    importlib.invalidate_caches()
+    stored = _verdict("inspect", "ToyForCausalLM", shared)
+    assert stored[:2] == by_itself[:2]
+    assert stored[2] == {**by_itself[2], "built_by": "the import check's fork"}
+    assert _verdict("inspect", "ToyForCausalLM", tmp_path / "fresh")[0] == "failed"
+
+
+def test_an_inspection_failure_built_by_the_import_check_is_the_inspect_checks_own(fake_registry: Path,
+                                                                                   tmp_path: Path) -> None:
+    shared = tmp_path / "session"
+    assert _verdict("import", "BadForCausalLM", shared)[0] == "passed"  # the import is clean; inspect is not
+    stored = _verdict("inspect", "BadForCausalLM", shared)
+    by_itself = _verdict("inspect", "BadForCausalLM", tmp_path / "alone")
+    assert stored[0] == by_itself[0] == "failed"
+    assert stored[1] == by_itself[1] == ("ValueError: BadForCausalLM declares no rope_theta (vLLM inspecting "
+                                         "BadForCausalLM)")
+    assert stored[2] == by_itself[2] and stored[2]["cause"] == "ValueError: BadForCausalLM declares no rope_theta"
+
+
+def test_the_subprocess_inspection_is_never_built_by_the_import_check(fake_registry: Path, tmp_path: Path) -> None:
+    from pytest_enginecheck.targets.vllm.checks import inspection_path
+
+    assert _verdict("import", "ToyForCausalLM", tmp_path, inspect_mode="subprocess")[0] == "passed"
+    assert not os.path.exists(inspection_path(CheckContext("inspect", "vllm", "ToyForCausalLM", "", "",
+                                                           str(tmp_path))))

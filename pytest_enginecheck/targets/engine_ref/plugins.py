@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_enginecheck.guard import CudaAccess, CudaGuard
+from pytest_enginecheck.guard import CudaGuard
+from pytest_enginecheck.targets import PluginOutcome
 
 ENGINE_STATE_SCRIPT = "from engine_ref.plugins import load_general_plugins; load_general_plugins()"
 
@@ -20,18 +20,6 @@ def list_plugins() -> list[Any]:
     from engine_ref import plugins
 
     return plugins.list_plugins()
-
-
-@dataclass
-class PluginOutcome:
-    """What loading one plugin under the guard did."""
-
-    entry: Any = None
-    accesses: list[CudaAccess] = field(default_factory=list)
-    error: BaseException | None = None
-    traceback: str = ""
-    location: str | None = None
-    registered: tuple[str, ...] = ()  # the architectures it added to (or replaced in) the registry (load_plugins)
 
 
 def run_plugin(entry: Any, strict: bool = False) -> PluginOutcome:

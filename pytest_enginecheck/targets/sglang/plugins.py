@@ -21,10 +21,11 @@ import os
 import subprocess
 import sys
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib.metadata import packages_distributions
 
-from pytest_enginecheck.guard import CudaAccess, CudaGuard
+from pytest_enginecheck.guard import CudaGuard
+from pytest_enginecheck.targets import PluginOutcome
 from pytest_enginecheck.targets.sglang import ENGINE_PACKAGES
 from pytest_enginecheck.targets.sglang.discovery import DiscoveryError, discover
 from pytest_enginecheck.targets.sglang.env import EXTERNAL_VARIABLE, engine_environment, external_package
@@ -55,18 +56,6 @@ class PluginEntry:
     @property
     def module(self) -> str:
         return self.value
-
-
-@dataclass
-class PluginOutcome:
-    """What importing the package under the guard did."""
-
-    entry: PluginEntry
-    accesses: list[CudaAccess] = field(default_factory=list)
-    error: BaseException | None = None
-    traceback: str = ""
-    location: str | None = None
-    registered: tuple[str, ...] = ()  # the architectures its modules' EntryClass list (what its failure costs)
 
 
 def _distribution(package: str) -> str:

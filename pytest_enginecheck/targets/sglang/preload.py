@@ -18,12 +18,12 @@ import hashlib
 import importlib
 import json
 import os
-import subprocess
 import sys
 from collections import Counter
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from pytest_enginecheck.targets.preloading import derived_names
 from pytest_enginecheck.targets.sglang.discovery import IN_TREE_PACKAGE, ModelModule, discover, package_paths
 
 # The warm parent's preload, read by ``warm``: a JSON file's path (the list is thousands of names, too long for a
@@ -147,22 +147,7 @@ def preload_file(timeout: float = DERIVE_TIMEOUT_S) -> str | None:
     if key == "no-sglang":
         return None
     path = cache_dir() / f"sglang-preload-{key}.json"
-    if read_preload(str(path)):
-        return str(path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
-    try:
-        out = subprocess.run([sys.executable, "-m", __name__], env=env, capture_output=True, text=True,
-                             timeout=timeout)
-        names = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
-    except (subprocess.TimeoutExpired, ValueError, IndexError):
-        names = None
-    if not isinstance(names, list) or not names:
-        return None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(names))
-    tmp.replace(path)
-    return str(path)
+    return str(path) if derived_names(path, __name__, timeout) else None
 
 
 if __name__ == "__main__":

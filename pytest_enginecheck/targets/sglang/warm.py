@@ -11,12 +11,11 @@ that imports it still reports them.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import warnings
 
-from pytest_enginecheck.guard import CudaGuard, find_holders, guarded_originals, remember_preload_queries
+from pytest_enginecheck.targets.preloading import preload_under_guard
 from pytest_enginecheck.targets.sglang import ENGINE_PACKAGES
 from pytest_enginecheck.targets.sglang.preload import PRELOAD_STRICT_VARIABLE, PRELOAD_VARIABLE, read_preload
 
@@ -42,37 +41,13 @@ def _loud(saved: tuple[int, int]) -> None:
 
 def preload(names: list[str], strict: bool = False) -> list[str]:
     """Import each module under the guard (strict: its queries remembered); the names of those kept."""
-    kept = []
     saved = _quiet()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for name in names:
-                if name in sys.modules:
-                    kept.append(name)
-                    continue
-                before = set(sys.modules)
-                with CudaGuard(strict=strict, engine_packages=ENGINE_PACKAGES) as guard:
-                    try:
-                        importlib.import_module(name)
-                        ok = True
-                    except BaseException:  # noqa: BLE001 - dropped, its importers' checks report it
-                        ok = False
-                if ok and strict and guard.accesses and all(a.kind == "query" for a in guard.accesses):
-                    for access in guard.accesses:  # the chain from the preloaded module down
-                        access.chain = access.chain[access.chain.index(name):] if name in access.chain \
-                            else access.chain
-                    remember_preload_queries(guard.accesses)
-                    kept.append(name)
-                elif ok and not guard.accesses:
-                    kept.append(name)
-                else:
-                    for added in set(sys.modules) - before:
-                        del sys.modules[added]
+            return preload_under_guard(names, strict, ENGINE_PACKAGES)
     finally:
         _loud(saved)
-    find_holders(guarded_originals())  # the guard's scan of the torch modules now loaded, once for every child
-    return kept
 
 
 PRELOADED = preload([*read_preload(os.environ.get(PRELOAD_VARIABLE, "")), "pytest_enginecheck.targets.sglang.checks"],

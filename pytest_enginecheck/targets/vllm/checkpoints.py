@@ -91,12 +91,28 @@ def make_tiny_checkpoint(architecture: str, path: Path, model_cls: type | None =
         model = hf_class(architecture, model_cls)(config).to(torch.float32)
     except Exception as e:  # noqa: BLE001 - transformers' own limits, not the vLLM model's fault
         raise NoTinyCheckpoint(f"transformers cannot build a tiny {architecture}: {type(e).__name__}: {e}") from None
-    model.save_pretrained(path, safe_serialization=True)
+    _save_without_progress_bar(model, path)
     config_path = Path(path) / "config.json"
     saved = json.loads(config_path.read_text())
     saved["architectures"] = [architecture]  # save_pretrained writes the transformers class's name
     config_path.write_text(json.dumps(saved, indent=2))
     return path
+
+
+def _save_without_progress_bar(model: Any, path: Path) -> None:
+    """``model.save_pretrained`` with transformers' progress bar off. Its tqdm bar creates tqdm's class-wide
+    ``multiprocessing.RLock`` from multiprocessing's default context, which in a check child (a forkserver child)
+    is a named semaphore registered with the resource tracker; the child leaves by ``os._exit``, so nothing
+    unlinks it and every run that made a checkpoint ended with the tracker's "leaked semaphore objects"."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(path, safe_serialization=True)
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def tiny_checkpoint(architecture: str, workdir: str, model_cls: type | None = None) -> Path:

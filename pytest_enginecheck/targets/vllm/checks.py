@@ -48,40 +48,100 @@ def _model_class(ctx: CheckContext, entry: registry.VllmArch) -> type:
 
 
 def run_import(ctx: CheckContext) -> dict[str, Any]:
-    """import: the module imports and its class is found, with no CUDA (class lookup under the guard too)."""
+    """import: the module imports and its class is found, with no CUDA (class lookup under the guard too).
+
+    In fork mode, a clean import also builds the inspect check's verdict here (``_store_inspection``), so the
+    architecture is imported by one fork for both checks."""
     from pytest_enginecheck.import_profile import PROFILE_TOP, ImportProfiler
 
     entry = _entry(ctx)
     with ImportProfiler() as profiler:
         try:
-            _model_class(ctx, entry)
+            model_cls = _model_class(ctx, entry)
         except CheckFailure as failure:
             failure.detail["import_profile"] = profiler.top(PROFILE_TOP, root=entry.module)
             raise
+    if ctx.inspect_mode == "fork":
+        _store_inspection(ctx, entry, model_cls)
     return {"module": entry.module, "class": entry.class_name, "registered_as": entry.registered_as,
             "import_profile": profiler.top(PROFILE_TOP, root=entry.module)}
 
 
+def _inspect_fork(ctx: CheckContext, entry: registry.VllmArch, model_cls: type) -> dict[str, Any]:
+    """The fork-mode inspect verdict for ``model_cls``: its ModelInfo, or the CheckFailure inspect fails with."""
+    try:
+        info, accesses = registry.inspect_in_fork(model_cls, strict=ctx.strict)
+    except Exception as e:  # noqa: BLE001 - the class's own error while vLLM inspects it
+        raise CheckFailure(f"{type(e).__name__}: {e} (vLLM inspecting {ctx.architecture})",
+                           {"kind": "inspection", "mode": "fork", "traceback": traceback.format_exc()}) from None
+    if accesses:
+        raise cuda_failure(f"Inspecting {ctx.architecture}", accesses[0], entry.module)
+    return {**info, "cache": "--enginecheck-inspect=fork builds each ModelInfo without vLLM's modelinfos cache"}
+
+
+def inspection_path(ctx: CheckContext) -> str:
+    """Where the import check leaves the fork-mode inspect verdict of ``ctx``'s architecture, in the session's
+    workdir (shared by its checks; each pytest-xdist worker and pytest-split shard has its own)."""
+    strict = "-strict" if ctx.strict else ""
+    return os.path.join(ctx.workdir, "vllm-inspect", f"{ctx.architecture}-fork{strict}.pickle")
+
+
+def _store_inspection(ctx: CheckContext, entry: registry.VllmArch, model_cls: type) -> None:
+    """Build the inspect verdict in the import check's fork and keep it for the inspect check: ("passed", detail)
+    or ("failed", message, detail). Anything else (an error of the checker, vLLM's API missing) stores nothing, and
+    the inspect check imports and inspects by itself, as it does when it runs where this file is not."""
+    import pickle
+
+    from pytest_enginecheck.checks.causes import failure_cause
+
+    try:
+        outcome: tuple[Any, ...] = ("passed", _inspect_fork(ctx, entry, model_cls))
+    except CheckFailure as failure:
+        if failure_cause(ctx, failure.message, failure.detail, failure) != failure_cause(ctx, failure.message,
+                                                                                          failure.detail):
+            return  # its cause needs the exception itself, which is not kept: the inspect check finds it again
+        outcome = ("failed", failure.message, failure.detail)
+    except Exception:  # noqa: BLE001 - left to the inspect check, which reports it as its own
+        return
+    path = inspection_path(ctx)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(f"{path}.{os.getpid()}.tmp", "wb") as f:
+        pickle.dump(outcome, f)
+    os.replace(f"{path}.{os.getpid()}.tmp", path)
+
+
+def _stored_inspection(ctx: CheckContext) -> dict[str, Any] | None:
+    """The verdict the import check stored for this architecture (``_store_inspection``): its detail, or its
+    CheckFailure raised; None when there is none."""
+    import pickle
+
+    try:
+        with open(inspection_path(ctx), "rb") as f:
+            outcome = pickle.load(f)
+    except FileNotFoundError:
+        return None
+    if outcome[0] == "failed":
+        raise CheckFailure(outcome[1], outcome[2])
+    return {**outcome[1], "built_by": "the import check's fork"}
+
+
 def run_inspect(ctx: CheckContext) -> dict[str, Any]:
     """inspect: vLLM's ModelInfo, built in this warm fork (``ctx.inspect_mode`` "fork") or by vLLM's own
-    subprocess ("subprocess"). A failure's first line starts with its cause (CI logs cut FAILED lines)."""
-    entry = _entry(ctx)
+    subprocess ("subprocess"). A failure's first line starts with its cause (CI logs cut FAILED lines).
+
+    In fork mode, the verdict the import check built after a clean import in this session's workdir is used as
+    is; without one (the import failed, or ran in another worker or shard) this check imports by itself."""
     mode = ctx.inspect_mode
+    if mode == "fork" and (stored := _stored_inspection(ctx)) is not None:
+        return stored
+    entry = _entry(ctx)
     if mode == "subprocess":
         try:
             return registry.inspect_in_subprocess(ctx.architecture)
         except registry.InspectionError as e:
             raise CheckFailure(f"{e.cause} (vLLM's inspection subprocess, inspecting {ctx.architecture})\n{e.output}",
                                {"kind": "inspection", "mode": mode}) from None
-    model_cls = _model_class(ctx, entry)
-    try:
-        info, accesses = registry.inspect_in_fork(model_cls, strict=ctx.strict)
-    except Exception as e:  # noqa: BLE001 - the class's own error while vLLM inspects it
-        raise CheckFailure(f"{type(e).__name__}: {e} (vLLM inspecting {ctx.architecture})",
-                           {"kind": "inspection", "mode": mode, "traceback": traceback.format_exc()}) from None
-    if accesses:
-        raise cuda_failure(f"Inspecting {ctx.architecture}", accesses[0], entry.module)
-    return {**info, "cache": "--enginecheck-inspect=fork builds each ModelInfo without vLLM's modelinfos cache"}
+    return _inspect_fork(ctx, entry, _model_class(ctx, entry))
 
 
 def _checkpoint(ctx: CheckContext) -> str:
@@ -218,7 +278,9 @@ def run_budget(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
     run = _shared_run(ctx, ckpt, ctx.tp, mode)
     limit = parse_size(budget)
     over = [m for m in run.memory if m["needs"] > limit]
-    detail = {"tensor_parallel_size": ctx.tp, "budget": budget, "memory_per_rank": run.memory}
+    detail = {"tensor_parallel_size": ctx.tp, "budget": budget, "memory_per_rank": run.memory,
+              "counted": "needs = weights + buffers + activation_peak + kv_one_request (kv_cache_allocated is what "
+                         "vLLM allocated from VLLM_CPU_KVCACHE_SPACE, not what the model needs)"}
     if over:
         raise CheckFailure(f"{ctx.architecture} at tensor_parallel_size={ctx.tp}: " + "; ".join(
             f"rank {m['rank']} needs {format_bytes(m['needs'])} (weights {format_bytes(m['weights'])}, activations "

@@ -19,17 +19,19 @@ from typing import Any
 
 @dataclass(frozen=True)
 class RankMemory:
-    """One rank's memory, in bytes."""
+    """One rank's memory, in bytes. ``needs`` (what the budget check holds against the budget) counts one request's
+    KV, not the KV cache vLLM allocated: that is sized from VLLM_CPU_KVCACHE_SPACE, whatever the budget says."""
 
     rank: int
     weights: int
     buffers: int
     activation_peak: int
-    kv_cache: int  # what vLLM allocated
-    kv_one_request: int  # what one request of max_model_len needs (vLLM's KV cache spec)
+    kv_cache_allocated: int  # what vLLM allocated (VLLM_CPU_KVCACHE_SPACE); not in ``needs``
+    kv_one_request: int  # what one request of max_model_len needs (vLLM's KV cache spec); in ``needs``
 
     @property
     def needs(self) -> int:
+        """weights + buffers + activation_peak + kv_one_request."""
         return self.weights + self.buffers + self.activation_peak + self.kv_one_request
 
     def to_dict(self) -> dict[str, Any]:
@@ -97,4 +99,4 @@ def rank_memory(worker: Any) -> dict[str, Any]:
     peak = activation_peak(runner.profile_run, [*runner.model.parameters(), *runner.model.buffers(), *kv_caches])
     return RankMemory(rank=worker.rank, weights=_bytes(model.parameters()),
                       buffers=_bytes(model.buffers()), activation_peak=peak,
-                      kv_cache=_storage_bytes(kv_caches), kv_one_request=one_request).to_dict()
+                      kv_cache_allocated=_storage_bytes(kv_caches), kv_one_request=one_request).to_dict()

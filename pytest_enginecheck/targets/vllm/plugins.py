@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
-from pytest_enginecheck.guard import CudaAccess, CudaGuard
+from pytest_enginecheck.guard import CudaGuard
+from pytest_enginecheck.targets import PluginOutcome
 from pytest_enginecheck.targets.vllm import ENGINE_PACKAGES
 from pytest_enginecheck.targets.vllm.probe import allowed_plugins, probe
 
@@ -30,22 +31,6 @@ class PluginEntry:
     @property
     def module(self) -> str:
         return self.value.split(":", 1)[0]
-
-
-@dataclass
-class PluginOutcome:
-    """What loading and running one plugin did."""
-
-    entry: PluginEntry
-    accesses: list[CudaAccess] = field(default_factory=list)
-    error: BaseException | None = None
-    traceback: str = ""
-    location: str | None = None  # "file:line" of the plugin's own frame that raised
-    registered: tuple[str, ...] = ()  # the architectures it added to (or replaced in) vLLM's registry (load_plugins)
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and not self.accesses
 
 
 def _entry_points() -> list[EntryPoint]:

@@ -18,7 +18,6 @@ import hashlib
 import importlib
 import json
 import os
-import subprocess
 import sys
 from collections import Counter
 from importlib.metadata import PackageNotFoundError, distribution, entry_points
@@ -26,6 +25,7 @@ from pathlib import Path
 from types import ModuleType
 
 from pytest_enginecheck.guard import CudaGuard
+from pytest_enginecheck.targets.preloading import derived_names
 from pytest_enginecheck.targets.vllm.registry import list_architectures
 
 PRELOAD_VARIABLE = "ENGINECHECK_VLLM_PRELOAD"  # the warm parent's preload, read by targets.vllm.warm
@@ -105,25 +105,7 @@ def preload_modules(timeout: float = 300.0) -> list[str]:
     A derivation that fails or times out gives no preload: every check then imports what it needs itself
     (slower, same verdicts).
     """
-    path = cache_dir() / f"vllm-preload-{cache_key()}.json"
-    try:
-        return list(json.loads(path.read_text()))
-    except (OSError, ValueError):
-        pass
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
-    try:
-        out = subprocess.run([sys.executable, "-m", __name__], env=env, capture_output=True, text=True,
-                             timeout=timeout)
-        names = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
-    except (subprocess.TimeoutExpired, ValueError, IndexError):
-        names = None
-    if not isinstance(names, list):
-        return []
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(names))
-    tmp.replace(path)
-    return names
+    return derived_names(cache_dir() / f"vllm-preload-{cache_key()}.json", __name__, timeout) or []
 
 
 if __name__ == "__main__":

@@ -14,11 +14,9 @@ vLLM's core modules twice fails ("... is already registered as an opaque type").
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 
-from pytest_enginecheck.guard import CudaGuard, find_holders, guarded_originals, remember_preload_queries
+from pytest_enginecheck.targets.preloading import preload_under_guard
 from pytest_enginecheck.targets.vllm import ENGINE_PACKAGES
 from pytest_enginecheck.targets.vllm.env import output_into
 from pytest_enginecheck.targets.vllm.preload import PRELOAD_STRICT_VARIABLE, PRELOAD_VARIABLE
@@ -26,28 +24,8 @@ from pytest_enginecheck.targets.vllm.preload import PRELOAD_STRICT_VARIABLE, PRE
 
 def preload(names: list[str], strict: bool = False) -> list[str]:
     """Import each module under the guard (strict: its queries are remembered); the names of those kept."""
-    kept = []
     with open(os.devnull, "wb") as null, output_into(null.fileno()):
-        for name in names:
-            before = set(sys.modules)
-            with CudaGuard(strict=strict, engine_packages=ENGINE_PACKAGES) as guard:
-                try:
-                    importlib.import_module(name)
-                    ok = True
-                except Exception:  # noqa: BLE001 - dropped, its importers' checks report it
-                    ok = False
-            if ok and strict and all(access.kind == "query" for access in guard.accesses):
-                for access in guard.accesses:  # the chain from the preloaded module down (not from this one)
-                    access.chain = access.chain[access.chain.index(name):] if name in access.chain else access.chain
-                remember_preload_queries(guard.accesses)
-                kept.append(name)
-            elif ok and not guard.accesses:
-                kept.append(name)
-            else:
-                for added in set(sys.modules) - before:
-                    del sys.modules[added]
-    find_holders(guarded_originals())  # the guard's scan of the torch modules now loaded, once for every child
-    return kept
+        return preload_under_guard(names, strict, ENGINE_PACKAGES)
 
 
 PRELOADED = preload([n for n in os.environ.get(PRELOAD_VARIABLE, "").split(",") if n],
