@@ -70,7 +70,10 @@ def test_fork_inspection_equals_vllms_subprocess(in_child: Any, tmp_path: Any) -
     sample = ["LlamaForCausalLM", "MixtralForCausalLM", "EctpCleanForCausalLM"]
     results = in_child(_inspect_both, str(tmp_path), sample, timeout=600)
     for architecture, (fork, subprocess) in results.items():
-        assert fork == subprocess, architecture
+        # the ModelInfo, not what each mode says of vLLM's modelinfos cache (the subprocess reads it, the fork not)
+        assert {k: v for k, v in fork.items() if k != "cache"} == {k: v for k, v in subprocess.items()
+                                                                   if k != "cache"}, architecture
+        assert isinstance(subprocess["cache"], dict) and isinstance(fork["cache"], str)
         assert fork["is_text_generation_model"] is True
     assert results["MixtralForCausalLM"][0]["architecture"] == "MixtralForCausalLM"
 

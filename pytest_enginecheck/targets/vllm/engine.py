@@ -165,6 +165,9 @@ def _rank_main(ckpt: str, tp: int, rank: int, port: int, ipc_dir: str,
                conn: multiprocessing.connection.Connection, capture_prompt: list[int] | None = None) -> None:
     import cloudpickle
 
+    from pytest_enginecheck.targets.vllm.ranklog import capture_output
+
+    capture_output(_rank_log(ipc_dir, rank))  # _fork_ranks passes on what of it is about the outcome
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_RPC_BASE_PATH=ipc_dir)
     try:
@@ -176,6 +179,26 @@ def _rank_main(ckpt: str, tp: int, rank: int, port: int, ipc_dir: str,
         outcome = ("error", classify(e, rank), str(e))
     conn.send_bytes(cloudpickle.dumps(outcome))
     conn.close()
+
+
+def _rank_log(ipc_dir: str, rank: int) -> str:
+    return os.path.join(ipc_dir, f"rank-{rank}.log")
+
+
+def _relay_rank_logs(ipc_dir: str, ranks: range, failed: set[int]) -> None:
+    """Write each rank's output, trimmed to what is about the outcome (``ranklog.trimmed_log``), to stderr."""
+    import sys
+
+    from pytest_enginecheck.targets.vllm.ranklog import trimmed_log
+
+    for rank in ranks:
+        try:
+            with open(_rank_log(ipc_dir, rank), errors="replace") as f:
+                text = f.read()
+        except OSError:
+            continue
+        sys.stderr.write(trimmed_log(text, rank in failed, f"vllm-rank-{rank}"))
+    sys.stderr.flush()
 
 
 def _gather(wait: AnswerWait[int], procs: dict[int, WarmProcess], timeout: float) -> list[EngineRun]:
@@ -255,7 +278,7 @@ def _remove_left_shm(before: set[str]) -> None:
 
 
 @contextlib.contextmanager
-def _one_multirank_engine_at_a_time(deadline: Any) -> Iterator[None]:
+def _one_multirank_engine_at_a_time(deadline: Deadline) -> Iterator[None]:
     """Hold MULTIRANK_LOCK (machine-wide) while a TP>1 engine runs, waiting for it no longer than ``deadline``."""
     fd = os.open(MULTIRANK_LOCK, os.O_CREAT | os.O_RDWR, 0o666)
     try:
@@ -281,13 +304,14 @@ def _run_ranks(ckpt: str, tp: int, timeout: float, capture_prompt: list[int] | N
 
     deadline = Deadline(timeout)
     if tp == 1:
-        return _fork_ranks(ckpt, tp, timeout, capture_prompt)
+        return _fork_ranks(ckpt, tp, deadline, capture_prompt)
     with _one_multirank_engine_at_a_time(deadline):
-        return _fork_ranks(ckpt, tp, deadline.remaining() or 0.0, capture_prompt)
+        return _fork_ranks(ckpt, tp, deadline, capture_prompt)
 
 
-def _fork_ranks(ckpt: str, tp: int, timeout: float, capture_prompt: list[int] | None) -> EngineRun:
-    from engine_ref.isolation import AnswerWait, Deadline, start_process
+def _fork_ranks(ckpt: str, tp: int, deadline: Deadline, capture_prompt: list[int] | None) -> EngineRun:
+    """The ranks under ``deadline`` (the start's Deadline; what the lock waited is already spent from it)."""
+    from engine_ref.isolation import AnswerWait, start_process
 
     ctx = multiprocessing.get_context("fork")  # forks of this (warm, CUDA-free) process
     port = engine_api().get_open_port()
@@ -297,6 +321,7 @@ def _fork_ranks(ckpt: str, tp: int, timeout: float, capture_prompt: list[int] | 
     procs: dict[int, WarmProcess] = {}
     readers: dict[int, multiprocessing.connection.Connection] = {}
     shm_before = _shm_entries()
+    failed = set(range(tp))  # the ranks whose output is about a failure: all of them, until they answered
     try:
         for rank in range(tp):
             reader, writer = ctx.Pipe(duplex=False)
@@ -304,12 +329,17 @@ def _fork_ranks(ckpt: str, tp: int, timeout: float, capture_prompt: list[int] | 
             procs[rank] = start_process(_rank_main, ckpt, tp, rank, port, ipc_dir, writer, capture_prompt,
                                         name=f"vllm-rank-{rank}", ctx=ctx)
             writer.close()
-        wait = AnswerWait(readers, {rank: proc.sentinel for rank, proc in procs.items()}, Deadline(timeout))
-        runs = _gather(wait, procs, timeout)
+        wait = AnswerWait(readers, {rank: proc.sentinel for rank, proc in procs.items()}, deadline)
+        runs = _gather(wait, procs, deadline.seconds or 0.0)
+        failed = set()
+    except EngineStartError as e:
+        failed = {e.failure.rank}
+        raise
     finally:
         _close_ranks(procs, Deadline(SHUTDOWN_GRACE_S))
         for reader in readers.values():
             reader.close()
+        _relay_rank_logs(ipc_dir, range(len(procs)), failed)
         shutil.rmtree(ipc_dir, ignore_errors=True)
         _remove_left_shm(shm_before)
     run = runs[0]
