@@ -67,5 +67,7 @@ def test_a_hung_rank_gives_every_pending_ranks_stacks_within_the_deadline_and_on
 def test_a_rank_that_exits_is_named_with_its_exit_code(in_child: Any, tmp_path: Any) -> None:
     message, phase, seconds, left = in_child(_rank1_breaks, "exit", str(tmp_path), HANG_TIMEOUT_S, timeout=600.0)
     assert (message, phase) == ("rank 1 exited with code 3 before returning a result", "startup")
-    assert seconds < HANG_TIMEOUT_S / 2, seconds
+    # reported when it died, not at the deadline (the message says so too: a wait to the deadline reads "did not
+    # finish"); how soon after the start depends on this machine's speed, so no tighter bound
+    assert seconds < HANG_TIMEOUT_S, seconds
     assert left == []
