@@ -575,3 +575,109 @@ def test_the_subprocess_inspection_is_never_built_by_the_import_check(fake_regis
     assert _verdict("import", "ToyForCausalLM", tmp_path, inspect_mode="subprocess")[0] == "passed"
     assert not os.path.exists(inspection_path(CheckContext("inspect", "vllm", "ToyForCausalLM", "", "",
                                                            str(tmp_path))))
+
+
+@pytest.mark.parametrize("fate", ["crash", "hang"])
+def test_a_crash_or_hang_while_building_the_stored_verdict_never_becomes_the_imports(
+        fake_registry: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fate: str) -> None:
+    """The import check builds the inspect verdict in a fork of its own: vLLM's ModelInfo building that segfaults or
+    hangs there stores nothing, the import passes, and the inspect check inspects by itself."""
+    import signal
+
+    from pytest_enginecheck.targets.vllm import checks
+
+    def breaks(*args: Any) -> None:
+        if fate == "crash":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        time.sleep(60)
+
+    monkeypatch.setattr(checks, "_store_inspection", breaks)
+    monkeypatch.setattr(checks, "STORE_TIMEOUT_S", 0.5)
+    start = time.monotonic()
+    assert _verdict("import", "ToyForCausalLM", tmp_path)[0] == "passed"
+    assert time.monotonic() - start < 30  # the hang was cut at STORE_TIMEOUT_S, not waited for
+    assert not os.path.exists(checks.inspection_path(CheckContext("inspect", "vllm", "ToyForCausalLM", "", "",
+                                                                  str(tmp_path))))
+
+
+# --- ranklog: a rank's output, trimmed to what is about the outcome --------------------------------------------
+
+RANK_OUTPUT = """\
+(vllm-rank-0 pid=7) INFO 12-02 01:48:07 [model.py:733] Resolved architecture: EctpBadShardForCausalLM
+(vllm-rank-0 pid=7) WARNING 12-02 01:48:07 [cpu.py:224] Triton is not installed. triton-cpu is expected on x86 CPUs.
+(vllm-rank-0 pid=7) WARNING 12-02 01:48:11 [base.py:380] Chat template warmup failed
+(vllm-rank-0 pid=7) WARNING 12-02 01:48:11 [base.py:380] Traceback (most recent call last):
+(vllm-rank-0 pid=7) WARNING 12-02 01:48:11 [base.py:380] ValueError: Tokenizer not available
+(vllm-rank-0 pid=7) WARNING 12-02 01:48:11 [cpu_worker.py:140] CPU backend doesn't allow to use `torch.set_num_threads`
+(vllm-rank-0 pid=7) ERROR 12-02 01:48:12 [core.py:9] EngineCore failed to start.
+(vllm-rank-0 pid=7) ERROR 12-02 01:48:12 [core.py:9] RuntimeError: shape mismatch
+Fatal Python error: Segmentation fault
+
+"""
+
+
+def test_a_rank_that_failed_keeps_its_warnings_and_errors_without_vllms_noise() -> None:
+    from pytest_enginecheck.targets.vllm.ranklog import trimmed_log
+
+    lines = RANK_OUTPUT.splitlines()
+    assert trimmed_log(RANK_OUTPUT, failed=True, label="vllm-rank-0").splitlines() == [
+        lines[1], lines[6], lines[7], lines[8],
+        "(enginecheck: 5 lines of vllm-rank-0's output, vLLM's log not about this outcome, left out; "
+        "ENGINECHECK_VLLM_LOG=full keeps them)"]
+
+
+def test_a_rank_that_answered_keeps_only_its_errors_and_full_keeps_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_enginecheck.targets.vllm.ranklog import trimmed_log
+
+    lines = RANK_OUTPUT.splitlines()
+    assert trimmed_log(RANK_OUTPUT, failed=False).splitlines()[:3] == [lines[6], lines[7], lines[8]]
+    assert "Chat template" not in trimmed_log(RANK_OUTPUT, failed=False)
+    assert trimmed_log("", failed=False) == ""
+    monkeypatch.setenv("ENGINECHECK_VLLM_LOG", "full")
+    assert trimmed_log(RANK_OUTPUT, failed=False) == RANK_OUTPUT
+
+
+# --- checkpoints: the shrink rules for strict configs (transformers' validators are the checker's limit) -----------
+
+def test_a_hybrid_layout_keeps_one_layer_of_each_kind_and_attention_becomes_full() -> None:
+    from pytest_enginecheck.targets.vllm.checkpoints import tiny_layout
+
+    olmo_hybrid = ["linear_attention"] * 3 + ["full_attention"]
+    assert tiny_layout(olmo_hybrid * 8, 2) == {"num_hidden_layers": 2,
+                                               "layer_types": ["linear_attention", "full_attention"]}
+    zamba2 = ["linear_attention"] * 5 + ["hybrid"] + ["sliding_attention"]
+    assert tiny_layout(zamba2, 2) == {"num_hidden_layers": 3,
+                                      "layer_types": ["linear_attention", "hybrid", "full_attention"]}
+    assert tiny_layout(["sliding_attention"] * 40, 2)["layer_types"] == ["full_attention", "full_attention"]
+    assert tiny_layout([], 2)["layer_types"] == ["full_attention", "full_attention"]
+
+
+def test_mamba2_heads_follow_hidden_size_times_expand_and_its_groups_divide_them() -> None:
+    from pytest_enginecheck.targets.vllm.checkpoints import tiny_sizes
+
+    sizes = tiny_sizes({"hidden_size": 4096, "head_dim": 64, "num_heads": 128, "expand": 2, "n_groups": 8})
+    assert sizes["hidden_size"] * 2 == sizes["num_heads"] * sizes["head_dim"]
+    assert sizes["num_heads"] % sizes["n_groups"] == 0 and sizes["n_groups"] == 2
+    assert "num_heads" not in tiny_sizes({"hidden_size": 4096, "head_dim": 64, "num_heads": 32})  # attention heads
+
+
+def test_a_read_only_property_is_never_set_and_an_int_field_keeps_its_default_instead_of_none() -> None:
+    import dataclasses
+
+    from pytest_enginecheck.targets.vllm.checkpoints import _admits_none, _read_only
+
+    @dataclasses.dataclass
+    class StrictConfig:
+        sliding_window: int = 512
+        pad_token_id: int | None = 0
+
+        @property
+        def head_dim(self) -> int:
+            return 32
+
+    class LegacyConfig:
+        sliding_window = 4096
+
+    assert _read_only(StrictConfig, "head_dim") and not _read_only(StrictConfig, "sliding_window")
+    assert not _admits_none(StrictConfig, "sliding_window") and _admits_none(StrictConfig, "pad_token_id")
+    assert _admits_none(LegacyConfig, "sliding_window") and _admits_none(StrictConfig, "no_such_field")

@@ -8,11 +8,13 @@ transformers class, or whose config refuses the tiny sizes, raises NoTinyCheckpo
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,8 @@ TINY_SIZES: dict[str, Any] = {
     "num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
     "shared_expert_intermediate_size": 64, "sliding_window": None, "max_window_layers": 2,
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None,
+    # Gemma 3n: no layer shares another's KV (its 15 shared layers outnumber the tiny model's), a tiny per-layer input
+    "num_kv_shared_layers": 0, "vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 32,
 }
 
 
@@ -42,7 +46,61 @@ def tiny_sizes(fields: Mapping[str, Any]) -> dict[str, Any]:
         sizes["num_experts_per_tok"] = min(fields["num_experts_per_tok"], TINY_SIZES["num_experts_per_tok"])
     if "layer_types" in fields:
         sizes["layer_types"] = ["full_attention"] * sizes.get("num_hidden_layers", 2)
+    if isinstance(fields.get("num_heads"), int) and isinstance(fields.get("expand"), int) and "head_dim" in sizes:
+        # Mamba2's SSM heads: hidden_size * expand == num_heads * head_dim, in groups that divide the heads
+        hidden = sizes.get("hidden_size", fields.get("hidden_size", 0))
+        sizes["num_heads"] = hidden * fields["expand"] // sizes["head_dim"]
+        if isinstance(fields.get("n_groups"), int):
+            sizes["n_groups"] = min(fields["n_groups"], 2)
     return sizes
+
+
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+
+
+def tiny_layout(layer_types: Sequence[str], layers: int) -> dict[str, Any]:
+    """A hybrid's per-layer kinds shrunk consistently: each attention layer full attention, one layer of every other
+    kind (mamba, linear attention, a shared block) in the order it first appears, cycled over ``layers`` layers (more
+    when there are more kinds). For the configs whose validators refuse an all-attention tiny model."""
+    kinds = list(dict.fromkeys("full_attention" if t in ATTENTION_LAYER_TYPES else str(t) for t in layer_types))
+    kinds = kinds or ["full_attention"]
+    count = max(layers, len(kinds))
+    return {"num_hidden_layers": count, "layer_types": [kinds[i % len(kinds)] for i in range(count)]}
+
+
+def _read_only(config_cls: type, name: str) -> bool:
+    """Whether ``name`` is a property of ``config_cls`` with no setter (FalconConfig.head_dim, Mamba2's layer_types)."""
+    attribute = inspect.getattr_static(config_cls, name, None)
+    return isinstance(attribute, property) and attribute.fset is None
+
+
+def _admits_none(config_cls: type, name: str) -> bool:
+    """Whether the config's (strict dataclass) field ``name`` may be None: False where it is typed without None
+    (Gemma3n's ``sliding_window: int``), True where nothing says otherwise."""
+    if not dataclasses.is_dataclass(config_cls):
+        return True
+    field = next((f for f in dataclasses.fields(config_cls) if f.name == name), None)
+    return field is None or any(word in str(field.type) for word in ("None", "Optional", "Any"))
+
+
+_MISSING = object()
+
+
+def _default(defaults: Any, name: str) -> Any:
+    """The default config's value of ``name``, or ``_MISSING`` where reading it raises (no such field, or Gemma 4's
+    per-layer ``head_dim``, which refuses a global read)."""
+    try:
+        return getattr(defaults, name)
+    except Exception:  # noqa: BLE001 - any refusal means: not a field to shrink
+        return _MISSING
+
+
+def _build(config_cls: type, sizes: dict[str, Any]) -> tuple[Any, Exception | None]:
+    """``config_cls(**sizes)``, or None and what it raised (any exception: the config's validators are the limit)."""
+    try:
+        return config_cls(**sizes), None
+    except Exception as e:  # noqa: BLE001 - TypeError, ValueError, huggingface_hub's StrictDataclass*Error, ...
+        return None, e
 
 
 def hf_class(architecture: str, model_cls: type | None = None) -> Any:
@@ -51,7 +109,12 @@ def hf_class(architecture: str, model_cls: type | None = None) -> Any:
     import transformers
 
     names = [architecture, *(base.__name__ for base in (model_cls.__mro__ if model_cls else ()))]
-    found = next((getattr(transformers, n) for n in names if isinstance(getattr(transformers, n, None), type)), None)
+    try:
+        found = next((getattr(transformers, n) for n in names if isinstance(getattr(transformers, n, None), type)),
+                     None)
+    except Exception as e:  # noqa: BLE001 - transformers' lazy import of its modeling module failed here
+        raise NoTinyCheckpoint(f"transformers {transformers.__version__} cannot import its class for {architecture!r}: "
+                               f"{type(e).__name__}: {e}") from None
     if found is None:
         raise NoTinyCheckpoint(f"transformers {transformers.__version__} has no class {architecture!r} (nor one of its "
                                f"base classes), so there is no config class to shrink")
@@ -64,18 +127,27 @@ def tiny_config(architecture: str, model_cls: type | None = None) -> Any:
     config_cls = getattr(hf, "config_class", None)
     if config_cls is None:
         raise NoTinyCheckpoint(f"transformers.{architecture} declares no config_class")
-    defaults = config_cls()
+    try:
+        defaults = config_cls()
+    except Exception as e:  # noqa: BLE001 - transformers' limit: the config needs arguments the checker cannot know
+        raise NoTinyCheckpoint(f"{config_cls.__name__}() cannot be built with its defaults: {type(e).__name__}: {e}"
+                               ) from None
     if getattr(defaults, "text_config", None) is not None and defaults.text_config is not defaults:
         raise NoTinyCheckpoint(f"{config_cls.__name__} is a composite (multimodal) config; only text decoders "
                                f"get tiny checkpoints so far")
-    fields = {k: getattr(defaults, k) for k in TINY_SIZES if hasattr(defaults, k)}
+    names = (*TINY_SIZES, "num_heads", "expand", "n_groups")
+    fields = {k: v for k in names if (v := _default(defaults, k)) is not _MISSING}
     if "layer_types" in defaults.to_dict():
         fields["layer_types"] = defaults.layer_types
-    sizes = tiny_sizes(fields)
-    try:
-        config = config_cls(**sizes)
-    except (TypeError, ValueError) as e:
-        raise NoTinyCheckpoint(f"{config_cls.__name__} refuses the tiny sizes {sizes}: {e}") from None
+    # Never set a read-only property; where a field refuses None (an int-typed sliding_window), keep its default.
+    sizes = {k: v for k, v in tiny_sizes(fields).items()
+             if not _read_only(config_cls, k) and (v is not None or _admits_none(config_cls, k))}
+    config, error = _build(config_cls, sizes)
+    layer_types = _default(defaults, "layer_types")
+    if config is None and isinstance(layer_types, list) and not _read_only(config_cls, "layer_types"):
+        config, _ = _build(config_cls, {**sizes, **tiny_layout(layer_types, sizes.get("num_hidden_layers", 2))})
+    if config is None:
+        raise NoTinyCheckpoint(f"{config_cls.__name__} refuses the tiny sizes {sizes}: {type(error).__name__}: {error}")
     config.architectures = [architecture]
     config.dtype = "float32"
     return config
@@ -86,12 +158,16 @@ def make_tiny_checkpoint(architecture: str, path: Path, model_cls: type | None =
     import torch
 
     config = tiny_config(architecture, model_cls)
+    config.dtype = torch.float32  # transformers' modeling code may read it as a torch.dtype (Apertus' xIELU)
     torch.manual_seed(SEED)
     try:
         model = hf_class(architecture, model_cls)(config).to(torch.float32)
     except Exception as e:  # noqa: BLE001 - transformers' own limits, not the vLLM model's fault
         raise NoTinyCheckpoint(f"transformers cannot build a tiny {architecture}: {type(e).__name__}: {e}") from None
-    _save_without_progress_bar(model, path)
+    try:
+        _save_without_progress_bar(model, path)
+    except Exception as e:  # noqa: BLE001 - transformers' writer refusing the tiny model, not the vLLM model
+        raise NoTinyCheckpoint(f"transformers cannot save a tiny {architecture}: {type(e).__name__}: {e}") from None
     config_path = Path(path) / "config.json"
     saved = json.loads(config_path.read_text())
     saved["architectures"] = [architecture]  # save_pretrained writes the transformers class's name

@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import signal
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -62,7 +64,7 @@ def run_import(ctx: CheckContext) -> dict[str, Any]:
             failure.detail["import_profile"] = profiler.top(PROFILE_TOP, root=entry.module)
             raise
     if ctx.inspect_mode == "fork":
-        _store_inspection(ctx, entry, model_cls)
+        _store_inspection_apart(ctx, entry, model_cls)
     return {"module": entry.module, "class": entry.class_name, "registered_as": entry.registered_as,
             "import_profile": profiler.top(PROFILE_TOP, root=entry.module)}
 
@@ -79,11 +81,33 @@ def _inspect_fork(ctx: CheckContext, entry: registry.VllmArch, model_cls: type) 
     return {**info, "cache": "--enginecheck-inspect=fork builds each ModelInfo without vLLM's modelinfos cache"}
 
 
+STORE_TIMEOUT_S = 15.0  # for the import check's fork building the inspect verdict (a ModelInfo takes milliseconds)
+
+
 def inspection_path(ctx: CheckContext) -> str:
     """Where the import check leaves the fork-mode inspect verdict of ``ctx``'s architecture, in the session's
     workdir (shared by its checks; each pytest-xdist worker and pytest-split shard has its own)."""
     strict = "-strict" if ctx.strict else ""
     return os.path.join(ctx.workdir, "vllm-inspect", f"{ctx.architecture}-fork{strict}.pickle")
+
+
+def _store_inspection_apart(ctx: CheckContext, entry: registry.VllmArch, model_cls: type) -> None:
+    """``_store_inspection`` in a fork of this (import) check's process, which has the module imported already: a
+    crash or a hang of vLLM's ModelInfo building there stores nothing, so it can never become the import's verdict
+    (the inspect check then inspects by itself and reports it). Bounded by STORE_TIMEOUT_S."""
+    pid = os.fork()
+    if pid == 0:  # the grandchild: build, store, leave without running this process's exit handlers
+        try:
+            _store_inspection(ctx, entry, model_cls)
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + min(STORE_TIMEOUT_S, ctx.timeout * 0.2)
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return
+        time.sleep(0.002)
 
 
 def _store_inspection(ctx: CheckContext, entry: registry.VllmArch, model_cls: type) -> None:
@@ -101,7 +125,7 @@ def _store_inspection(ctx: CheckContext, entry: registry.VllmArch, model_cls: ty
                                                                                           failure.detail):
             return  # its cause needs the exception itself, which is not kept: the inspect check finds it again
         outcome = ("failed", failure.message, failure.detail)
-    except Exception:  # noqa: BLE001 - left to the inspect check, which reports it as its own
+    except BaseException:  # noqa: BLE001 - never the import's verdict: left to the inspect check, which reports it
         return
     path = inspection_path(ctx)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -248,7 +272,8 @@ def run_load(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
             diagnosis = _diagnosis(ctx, ckpt, i, mode)
             raise CheckFailure(
                 f"{ctx.architecture} at tensor_parallel_size={ctx.tp} generates other greedy tokens than at "
-                f"tensor_parallel_size=1 (float32): prompt {i} differs from token {position} on ({got} vs {want}). "
+                f"tensor_parallel_size=1 (float32): prompt {i} differs from token {position} on (TP={ctx.tp}: {got}, "
+                f"TP=1: {want}). "
                 f"{diagnosis}",
                 {**detail, "kind": "tp_mismatch", "reference_tokens": reference.tokens, "diagnosis": diagnosis})
     if not (run.logprobs and reference.logprobs):

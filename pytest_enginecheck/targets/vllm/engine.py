@@ -311,7 +311,7 @@ def _run_ranks(ckpt: str, tp: int, timeout: float, capture_prompt: list[int] | N
 
 def _fork_ranks(ckpt: str, tp: int, deadline: Deadline, capture_prompt: list[int] | None) -> EngineRun:
     """The ranks under ``deadline`` (the start's Deadline; what the lock waited is already spent from it)."""
-    from engine_ref.isolation import AnswerWait, start_process
+    from engine_ref.isolation import AnswerWait, Deadline, start_process
 
     ctx = multiprocessing.get_context("fork")  # forks of this (warm, CUDA-free) process
     port = engine_api().get_open_port()
