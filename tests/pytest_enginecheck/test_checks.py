@@ -18,6 +18,7 @@ import pytest
 
 from pytest_enginecheck.report import summary_mode, summary_table
 from tests.helpers import alive
+from tests.zoo_sessions import ROOT_CAUSES, ZooSession, zoo_session
 
 ZOO = Path(__file__).parents[1] / "plugin_zoo"
 MODELS: dict[str, str] = runpy.run_path(str(ZOO / "zoo" / "__init__.py"))["MODELS"]
@@ -72,8 +73,12 @@ def run_enginecheck(pytester: pytest.Pytester, *args: str, name: str = "report")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--enginecheck", f"--enginecheck-json={path}",
                                            *args, timeout=420)
     assert path.exists(), result.stdout.str() + result.stderr.str()
-    report = json.loads(path.read_text())
     target = next((a.split("=", 1)[1] for a in args if a.startswith("--enginecheck-target=")), "engine_ref")
+    return result, validated(json.loads(path.read_text()), target)
+
+
+def validated(report: dict[str, Any], target: str) -> Results:
+    """A JSON report's results by (arch, check), once each has the fields and the timings every result has."""
     assert (set(report), report["version"], report["target"]) == ({"version", "target", "cache", "results"}, 1, target)
     for r in report["results"]:
         assert set(r) == RESULT_KEYS, r
@@ -86,7 +91,7 @@ def run_enginecheck(pytester: pytest.Pytester, *args: str, name: str = "report")
         assert (r["message"] == "") == (r["outcome"] == "passed"), r
     results = {(r["arch"], r["check"]): r for r in report["results"]}
     assert len(results) == len(report["results"]), "one result per item"
-    return result, results
+    return results
 
 
 def glob(text: str) -> str:
@@ -412,13 +417,24 @@ AFTER_IMPORT = ["inspect", "load[tp=1]", "load[tp=2]", "budget[tp=1]", "budget[t
 AFTER_BUILD = ["load[tp=2]", "budget[tp=1]", "budget[tp=2]", "startup"]
 
 
-def test_one_root_cause_one_failure_serially_and_under_xdist(zoo: pytest.Pytester) -> None:
+@pytest.fixture(scope="module")
+def root_causes(tmp_path_factory: pytest.TempPathFactory) -> ZooSession:
+    """The serial run over zoo.root_causes, shared with test_sharding and test_html_report."""
+    return zoo_session(tmp_path_factory, "root-causes", *ROOT_CAUSES)
+
+
+def test_one_root_cause_one_failure_serially_and_under_xdist(zoo: pytest.Pytester, root_causes: ZooSession) -> None:
     """A module that touches CUDA at import fails its import check alone; a model that cannot be built fails
-    load[tp=1] alone; every check that depends on them says so, whichever worker ran the root."""
+    load[tp=1] alone; every check that depends on them says so, whichever worker ran the root. The serial run is
+    the shared one (the same target, checks and ``-rfEs``); the xdist run is this test's own."""
     args = ("--enginecheck-target=zoo.root_causes:REGISTRY", ROOT_CAUSE_CHECKS, "-rfEs")
+    assert set(args) <= set(ROOT_CAUSES)
     verdicts: dict[str, set[tuple[str, str, str, str]]] = {}
-    for mode, extra in (("serial", ()), ("xdist", ("-n", "2"))):
-        result, results = run_enginecheck(zoo, *args, *extra, name=mode)
+    for mode in ("serial", "xdist"):
+        if mode == "serial":
+            result, results = root_causes.result, validated(root_causes.report, "zoo.root_causes:REGISTRY")
+        else:
+            result, results = run_enginecheck(zoo, *args, "-n", "2", name=mode)
         result.assert_outcomes(passed=2, failed=2, skipped=len(AFTER_IMPORT) + len(AFTER_BUILD))
         assert {key for key, r in results.items() if r["outcome"] == "failed"} == \
                {(CUDA_ARCH, "import"), (BUILD_ARCH, "load[tp=1]")}

@@ -4,7 +4,9 @@ Two planted models (tests/plugin_zoo/zoo): planted_rng.py, whose layer-1 MLP add
 and TP=2 agree, being seeded alike), must fail load[tp=1] and load[tp=2] as nondeterministic, naming that MLP;
 planted_diag.py, whose layer-1 activation returns a padded layout and is wrong at TP=2, must be named as the first
 module that could not be compared, before the down_proj whose output differs after it. Their clean twin passes.
-The comparison itself is tested on Captures built here, and a diagnosis that fails must say so.
+The results are the zoo.planted session's (tests/zoo_sessions.py, shared with test_planted_bugs), except
+planted_rng's load[tp=2]: folded there into its load[tp=1], it runs here on its own. The comparison itself is
+tested on Captures built here, and a diagnosis that fails must say so.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from pytest_enginecheck.checks import CheckContext, CheckResult
 from pytest_enginecheck.targets.engine_ref.tp_diagnosis import Capture, compare, explain_seeds, explain_tp
+from tests.zoo_sessions import PLANTED, zoo_session
 
 ZOO = Path(__file__).parents[1] / "plugin_zoo"
 SPEC = "zoo.planted:REGISTRY"
@@ -25,21 +28,26 @@ RNG, DIAG, TWIN = "RngMLPLlamaForCausalLM", "PaddedActLlamaForCausalLM", "CleanT
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], CheckResult]:
-    """load[tp=1] and load[tp=2] of the two planted models and their twin, each through ``run_check``."""
+    """load[tp=1] and load[tp=2] of the two planted models and their twin: the zoo.planted session's, and
+    planted_rng's load[tp=2] (folded there into its load[tp=1] as the same cause) through ``run_check``."""
     from engine_ref.isolation import add_preload_modules
     from pytest_enginecheck.checks.runner import run_check
     from pytest_enginecheck.session import CHILD_MODULES
 
+    assert f"--enginecheck-target={SPEC}" in PLANTED
+    session = zoo_session(tmp_path_factory, "planted", *PLANTED).results
+    results = {(arch, tp): CheckResult(**session[arch, f"load[tp={tp}]"])
+               for arch in (RNG, DIAG, TWIN) for tp in (1, 2)}
+    assert results[RNG, 2].detail["root"] == f"enginecheck::{RNG}::load[tp=1]", results[RNG, 2].message
     sys.path.insert(0, str(ZOO))  # the zoo, for the check children (started with this process's sys.path)
     add_preload_modules(*CHILD_MODULES)
-    workdir = str(tmp_path_factory.mktemp("determinism"))
-    modules = {RNG: "zoo.planted_rng", DIAG: "zoo.planted_diag", TWIN: "zoo.planted_clean"}
     try:
-        return {(arch, tp): run_check(CheckContext(check="load", spec=SPEC, architecture=arch, module=module,
-                                                   class_name=arch, workdir=workdir, tp=tp))
-                for arch, module in modules.items() for tp in (1, 2)}
+        results[RNG, 2] = run_check(CheckContext(check="load", spec=SPEC, architecture=RNG, module="zoo.planted_rng",
+                                                 class_name=RNG, workdir=str(tmp_path_factory.mktemp("determinism")),
+                                                 tp=2))
     finally:
         sys.path.remove(str(ZOO))
+    return results
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -2,25 +2,24 @@
 
 The cause comparison is tested directly on real exceptions, wrapped as the checks and the engine wrap them; one
 planted model (tests/plugin_zoo/zoo/planted_fold.py: a TP=2 sharding bug in layer 1 AND a leaked helper process)
-runs through ``run_item`` as a pytest run would run it: load[tp=2] fails for the sharding, startup fails for the
-leak and says that load[tp=2] failed too.
+is read from the zoo.planted session (tests/zoo_sessions.py, shared with test_planted_bugs), where ``run_item`` ran
+it: load[tp=2] fails for the sharding, startup fails for the leak and says that load[tp=2] failed too.
 """
 
 from __future__ import annotations
 
-import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine_ref.errors import WorkerStartupError
 from engine_ref.isolation import ProcessCrashedError, RemoteTraceback
-from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckResult, item_name, roots
+from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckResult
 from pytest_enginecheck.checks.causes import failure_cause, first_exception, same_cause
+from tests.zoo_sessions import PLANTED as PLANTED_SESSION
+from tests.zoo_sessions import zoo_session
 
-ZOO = Path(__file__).parents[1] / "plugin_zoo"
 SPEC = "zoo.planted:REGISTRY"
 PLANTED = "ShardAndLeakLlamaForCausalLM"
 TWIN = "CleanTwinLlamaForCausalLM"
@@ -129,30 +128,13 @@ def test_the_first_exception_a_traceback_prints() -> None:
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], CheckResult]:
-    """The planted model's import, load[tp=2] and startup, and the clean twin's startup, through ``run_item`` in
-    item order, the roots selected as a pytest run selects them (load[tp=1] deselected: ``-k 'not tp=1'``)."""
-    from engine_ref.isolation import add_preload_modules
-    from pytest_enginecheck.checks.runner import run_item
-    from pytest_enginecheck.session import CHILD_MODULES
-
-    sys.path.insert(0, str(ZOO))  # the zoo, for the check children (started with this process's sys.path)
-    add_preload_modules(*CHILD_MODULES)
-    workdir = str(tmp_path_factory.mktemp("fold"))
-    results: dict[tuple[str, str], CheckResult] = {}
-    try:
-        for arch, module, checks in ((PLANTED, "zoo.planted_fold", (("import", 1), ("load", 2), ("startup", 1))),
-                                     (TWIN, "zoo.planted_clean", (("startup", 1),))):
-            contexts = [CheckContext(check=check, spec=SPEC, architecture=arch, module=module, class_name=arch,
-                                     workdir=workdir, tp=tp) for check, tp in checks]
-            selected = {item_name(ctx): ctx for ctx in contexts}
-            known: dict[str, CheckResult] = {}
-            for ctx in contexts:
-                found = {name: (f"enginecheck::{arch}::{name}", selected[name]) for name in roots(ctx)
-                         if name in selected}
-                results[arch, item_name(ctx)] = run_item(ctx, found, known)
-    finally:
-        sys.path.remove(str(ZOO))
-    return results
+    """The planted model's import, load[tp=2] and startup, and the clean twin's startup, as ``run_item`` returned
+    them in the zoo.planted session (every root selected; the planted model's load[tp=1] passes there)."""
+    session = zoo_session(tmp_path_factory, "planted", *PLANTED_SESSION)
+    assert f"--enginecheck-target={SPEC}" in PLANTED_SESSION
+    assert session.results[PLANTED, "load[tp=1]"]["outcome"] == "passed"
+    return {(arch, item): CheckResult(**session.results[arch, item])
+            for arch, item in ((PLANTED, "import"), (PLANTED, "load[tp=2]"), (PLANTED, "startup"), (TWIN, "startup"))}
 
 
 def test_an_independent_failure_stays_a_failure(planted: dict[tuple[str, str], CheckResult]) -> None:

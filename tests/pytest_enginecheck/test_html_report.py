@@ -18,6 +18,7 @@ from urllib.parse import quote
 import pytest
 
 from pytest_enginecheck.html_report import memory_bars, render
+from tests.zoo_sessions import ROOT_CAUSES, zoo_session
 
 ZOO = Path(__file__).parents[1] / "plugin_zoo"
 CHROMIUM = next((found for name in ("chromium", "chromium-browser") if (found := shutil.which(name))), None)
@@ -61,13 +62,11 @@ def _chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, Any]]]:
-    """A real run over the zoo's root causes, its page written by ``merge --html``."""
+    """A real run over the zoo's root causes (the session test_checks and test_sharding read), its page written by
+    ``merge --html``."""
     run_dir = tmp_path_factory.mktemp("html")
-    shutil.copytree(ZOO, run_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--enginecheck",
-                    "--enginecheck-target=zoo.root_causes:REGISTRY", "--enginecheck-checks=import,inspect,load",
-                    f"--enginecheck-json={run_dir / 'run.json'}"], cwd=run_dir, capture_output=True, text=True,
-                   timeout=600, env={**os.environ, "PYTHONPATH": str(run_dir)})
+    session = zoo_session(tmp_path_factory, "root-causes", *ROOT_CAUSES)
+    shutil.copyfile(session.dir / "report.json", run_dir / "run.json")
     out = subprocess.run([sys.executable, "-m", "pytest_enginecheck.report", "merge", str(run_dir / "run.json"),
                           "--json", str(run_dir / "merged.json"), "--html", str(run_dir / "report.html")],
                          capture_output=True, text=True, timeout=120)

@@ -2,22 +2,18 @@
 meant to catch it (and by no other), a check that fails for the same cause is folded into its root, and the clean
 twin passes every check. The whole verdict grid is asserted, so a false pass and a false alarm both fail here.
 
-lora is left out of this session (the bundled zoo's lora run and zoo.lora_models cover it); quant runs int8.
+lora is left out of this session (the bundled zoo's lora run and zoo.lora_models cover it); quant runs int8. The
+session is shared with test_determinism and test_folding (tests/zoo_sessions.py).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ZOO = Path(__file__).parents[1] / "plugin_zoo"
+from tests.zoo_sessions import PLANTED, zoo_session
+
 CHECKS = "import,inspect,load,budget,startup,quant"
 ITEMS = ["import", "inspect", "load[tp=1]", "load[tp=2]", "budget[tp=1]", "budget[tp=2]", "startup",
          "quant[int8,tp=1]", "quant[int8,tp=2]"]
@@ -69,17 +65,9 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[tuple[str, str], dict[str, Any]]]:
     """One serial ``pytest --enginecheck`` run over zoo.planted: its output and its results by (arch, item)."""
-    run_dir = tmp_path_factory.mktemp("planted")
-    shutil.copytree(ZOO, run_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-    report = run_dir / "report.json"
-    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--enginecheck",
-                          "--enginecheck-target=zoo.planted:REGISTRY", f"--enginecheck-checks={CHECKS}",
-                          "--enginecheck-quant=int8", f"--enginecheck-json={report}"],
-                         cwd=run_dir, capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "PYTHONPATH": str(run_dir)})
-    assert report.exists(), out.stdout + out.stderr
-    results = json.loads(report.read_text())["results"]
-    return out.stdout, {(r["arch"], r["check"]): r for r in results}
+    assert f"--enginecheck-checks={CHECKS}" in PLANTED and "--enginecheck-quant=int8" in PLANTED
+    session = zoo_session(tmp_path_factory, "planted", *PLANTED)
+    return session.stdout, session.results
 
 
 def test_the_verdict_grid_is_exactly_the_planted_bugs(planted: tuple[str, dict]) -> None:

@@ -1,6 +1,8 @@
 """Sharding with pytest-split: the zoo's root-cause registry split 3 ways (least-duration, from durations a first
 run stored) gives, merged by ``python -m pytest_enginecheck.report merge``, exactly the verdicts and messages of
-one unsplit run, although some checks are folded into a root that ran in another shard."""
+one unsplit run, although some checks are folded into a root that ran in another shard. The unsplit run is the
+zoo.root_causes session test_checks and test_html_report read too (tests/zoo_sessions.py), which stores the
+durations."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from tests.zoo_sessions import ROOT_CAUSES, zoo_session
+
 pytest.importorskip("pytest_split", reason="pytest-split is not installed (the test extra installs it)")
 
 ZOO = Path(__file__).parents[1] / "plugin_zoo"
@@ -25,7 +29,7 @@ SPLITS = 3
 
 def _pytest(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pytest", *RUN, *args], cwd=run_dir, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONPATH": str(run_dir)})
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(run_dir), "ENGINE_REF_PLUGINS": ""})
 
 
 def _verdicts(path: Path) -> dict[tuple[str, str], tuple[str, str]]:
@@ -34,24 +38,23 @@ def _verdicts(path: Path) -> dict[tuple[str, str], tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One unsplit run (storing pytest-split's durations), then the 3 groups and their merge: once per session,
-    under a file lock, whichever pytest-xdist worker asks first (their base temp dirs share a parent)."""
-    base = tmp_path_factory.getbasetemp()
-    run_dir = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "sharding-zoo"
-    run_dir.mkdir(exist_ok=True)
+    """The unsplit run (the shared session, storing pytest-split's durations), then the 3 groups and their merge:
+    once per session, under a file lock, whichever pytest-xdist worker asks first. The shards run in the unsplit
+    run's directory (the messages name the zoo's files by their paths)."""
+    whole = zoo_session(tmp_path_factory, "root-causes", *ROOT_CAUSES)
+    assert set(RUN[3:-1]) <= set(ROOT_CAUSES), "the shards run the unsplit run's target and checks"
+    run_dir = whole.dir
     done = run_dir / "runs.json"
-    with open(run_dir / ".lock", "w") as lock:
+    with open(run_dir / ".sharding-lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
-            done.write_text(json.dumps(_run_all(run_dir)))
-    return {**json.loads(done.read_text()), "dir": run_dir, "durations": run_dir / "durations.json"}
+            shutil.copyfile(whole.dir / "report.json", run_dir / "whole.json")
+            done.write_text(json.dumps(_run_all(run_dir, whole.dir / "durations.json")))
+    return {**json.loads(done.read_text()), "whole": {"returncode": whole.returncode, "stdout": whole.stdout},
+            "dir": run_dir, "durations": whole.dir / "durations.json"}
 
 
-def _run_all(run_dir: Path) -> dict[str, Any]:
-    shutil.copytree(ZOO, run_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-    durations = run_dir / "durations.json"
-    whole = _pytest(run_dir, "--store-durations", f"--durations-path={durations}",
-                    f"--enginecheck-json={run_dir / 'whole.json'}")
+def _run_all(run_dir: Path, durations: Path) -> dict[str, Any]:
     for g in range(1, SPLITS + 1):
         _pytest(run_dir, f"--splits={SPLITS}", f"--group={g}", "--splitting-algorithm=least_duration",
                 f"--durations-path={durations}", f"--enginecheck-json={run_dir / f'shard{g}.json'}")
@@ -59,8 +62,7 @@ def _run_all(run_dir: Path) -> dict[str, Any]:
                              *(str(run_dir / f"shard{g}.json") for g in range(1, SPLITS + 1)),
                              "--json", str(run_dir / "merged.json"), "--junitxml", str(run_dir / "merged.xml"),
                              "--expect", str(durations)], capture_output=True, text=True, timeout=120)
-    return {"whole": {"returncode": whole.returncode, "stdout": whole.stdout},
-            "merged": {"returncode": merged.returncode, "stdout": merged.stdout + merged.stderr}}
+    return {"merged": {"returncode": merged.returncode, "stdout": merged.stdout + merged.stderr}}
 
 
 def test_split_and_merged_verdicts_equal_the_unsplit_run(runs: dict[str, Any]) -> None:
