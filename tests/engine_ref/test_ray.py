@@ -144,6 +144,10 @@ def test_ray_hung_worker_is_dumped_and_killed_at_the_ready_timeout(tiny_checkpoi
     monkeypatch.setattr(RayDistributedExecutor, "_dump_stacks", timed_dump_stacks)
     for timeout_s in (20.0, 80.0):  # Ray actors are fresh interpreters: they need seconds before they can hang
         marks.clear()
+        # A retry starts once Ray has the first start's CPUs back (its killed actors release them a moment later).
+        freed = time.monotonic() + 60
+        while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < freed:
+            time.sleep(0.1)
         with fault_models.registered() as arch:
             model = tiny_checkpoint(arch, overrides=fault_overrides("hang", "load_weights"))
             start = time.monotonic()

@@ -450,18 +450,19 @@ def test_importing_the_targets_modules_imports_no_engine() -> None:
     assert out.stdout.strip() == "[]", out.stderr
 
 
-def test_multirank_engines_take_turns_on_the_machine_lock() -> None:
+def test_multirank_engines_take_turns_on_the_machine_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two TP>1 engines at once would collide on vLLM's rank-named shared memory: the second waits for the lock, and
-    fails naming it when the first holds it past its deadline."""
+    fails naming it when the first holds it past its deadline. (A lock of its own: a real engine may hold the
+    machine's now.)"""
     import fcntl
     import os
 
     from engine_ref.isolation import Deadline
-    from pytest_enginecheck.targets.vllm.engine import (
-        MULTIRANK_LOCK,
-        EngineStartError,
-        _one_multirank_engine_at_a_time,
-    )
+    from pytest_enginecheck.targets.vllm import engine
+    from pytest_enginecheck.targets.vllm.engine import EngineStartError, _one_multirank_engine_at_a_time
+
+    MULTIRANK_LOCK = str(tmp_path / "multirank.lock")
+    monkeypatch.setattr(engine, "MULTIRANK_LOCK", MULTIRANK_LOCK)
 
     with _one_multirank_engine_at_a_time(Deadline(1.0)):
         other = os.open(MULTIRANK_LOCK, os.O_RDWR)
