@@ -71,6 +71,8 @@ def test_out_of_tree_package_verdicts(sglang_run: Any) -> None:
         "model.load_weights(weights)")
     assert by_item["EcsgCleanForCausalLM", "inspect"]["detail"]["classes"] == {
         "EcsgCleanForCausalLM": {"pipeline_parallel": True, "input_embeds": True, "get_embedding": True}}
+    profile = by_item["EcsgCleanForCausalLM", "import"]["detail"]["import_profile"]  # issue 21: all targets
+    assert profile and {"module", "self_s", "cumulative_s", "chain"} <= set(profile[0]), profile
     # The package, loaded as SGLang loads it in a fresh interpreter: its registry silently drops the raising module
     # (and, without a GPU, the CUDA one: torch.cuda.init() raises there).
     plugin = by_item[f"plugin:{PACKAGE}", "plugins"]["message"]

@@ -33,10 +33,11 @@ def _dropped(ctx: CheckContext) -> str:
             f"\"not supported\" by SGLang.")
 
 
-def _classes(ctx: CheckContext) -> list[type]:
-    """Import the module (the core import check) and return the classes of it the item stands for."""
+def _classes(ctx: CheckContext) -> tuple[list[type], dict[str, Any]]:
+    """Import the module (the core import check) and return the classes of it the item stands for, and the import
+    check's detail (its import profile)."""
     try:
-        import_check.run(ctx)
+        imported = import_check.run(ctx)
     except CheckFailure as failure:
         if failure.detail.get("kind") not in ("missing_class", "cuda"):  # it raised: SGLang's scan would drop it
             failure.message = f"{failure.message}\n{_dropped(ctx)}"
@@ -48,7 +49,7 @@ def _classes(ctx: CheckContext) -> list[type]:
                            f"assigns one): SGLang's registry serves none of its classes.",
                            {"kind": "missing_class", "module": ctx.module, "class": ENTRY_CLASS})
     if ctx.class_name == ENTRY_CLASS:  # an EntryClass its source does not spell out: what it holds is what counts
-        return entries
+        return entries, imported
     cls = getattr(module, ctx.class_name)
     names = [getattr(e, "__name__", repr(e)) for e in entries]
     if not any(e is cls for e in entries) or getattr(cls, "__name__", None) != ctx.architecture:
@@ -57,18 +58,18 @@ def _classes(ctx: CheckContext) -> list[type]:
             f"run time, not {ctx.architecture} ({ctx.class_name} in its source): SGLang's registry serves what "
             f"{ENTRY_CLASS} holds, by __name__.",
             {"kind": "missing_class", "module": ctx.module, "class": ctx.class_name, "entry_classes": names})
-    return [cls]
+    return [cls], imported
 
 
 def run_import(ctx: CheckContext) -> dict[str, Any]:
     """import: the module imports without CUDA and its ``EntryClass`` holds the architecture's class."""
-    classes = _classes(ctx)
-    return {"module": ctx.module, "entry_classes": [getattr(c, "__name__", repr(c)) for c in classes]}
+    classes, imported = _classes(ctx)
+    return {**imported, "entry_classes": [getattr(c, "__name__", repr(c)) for c in classes]}
 
 
 def run_inspect(ctx: CheckContext) -> dict[str, Any]:
     """inspect: SGLang can resolve, build, load and run the class by what it is (``requirements``)."""
-    classes = _classes(ctx)
+    classes, _ = _classes(ctx)
     problems = {getattr(c, "__name__", repr(c)): unmet(c, getattr(c, "__name__", ctx.architecture)
                                                        if ctx.class_name == ENTRY_CLASS else ctx.architecture)
                 for c in classes}
