@@ -18,6 +18,20 @@ ARCHITECTURES = [
     "LlavaForConditionalGeneration",
 ]
 LLAMA = "LlamaForCausalLM"
+# A minimal model class: what ModelInfo.from_model_cls needs, and nothing heavy to import.
+TINY_MODEL_CLASS = '''
+class TinyModel:
+    example_config = {"architectures": ["TinyModel"]}
+
+    def forward(self, input_ids, positions):
+        return input_ids
+
+    def compute_logits(self, hidden_states):
+        return hidden_states
+
+    def load_weights(self, weights):
+        return set()
+'''
 # A tiny-Llama engine that starts in milliseconds: a small simulated device and short sequences.
 SMALL_ENGINE: dict[str, Any] = {"device_memory": "64MiB", "max_model_len": 64, "max_num_batched_tokens": 64}
 # At TP=2 a rank holds half of every sharded tensor plus every replicated one (norms, routers,

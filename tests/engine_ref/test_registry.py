@@ -32,22 +32,7 @@ from engine_ref.model_executor.models.registry import (
     RegisteredModel,
     _ModelRegistry,
 )
-from tests.helpers import ARCHITECTURES
-
-# A minimal model class: what ModelInfo.from_model_cls needs, and nothing heavy to import.
-TINY_MODEL_CLASS = '''
-class TinyModel:
-    example_config = {"architectures": ["TinyModel"]}
-
-    def forward(self, input_ids, positions):
-        return input_ids
-
-    def compute_logits(self, hidden_states):
-        return hidden_states
-
-    def load_weights(self, weights):
-        return set()
-'''
+from tests.helpers import ARCHITECTURES, TINY_MODEL_CLASS
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import textwrap
 import uuid
 from pathlib import Path
 from typing import Any
@@ -22,20 +21,7 @@ from engine_ref.model_executor.models.registry import (
 )
 from pytest_enginecheck.report import CACHE_OUTCOMES as REPORTED_OUTCOMES
 from pytest_enginecheck.report import cache_line, cache_totals
-
-TINY_MODEL = '''
-class TinyModel:
-    example_config = {"architectures": ["TinyModel"]}
-
-    def forward(self, input_ids, positions):
-        return input_ids
-
-    def compute_logits(self, hidden_states):
-        return hidden_states
-
-    def load_weights(self, weights):
-        return set()
-'''
+from tests.helpers import TINY_MODEL_CLASS
 
 
 @pytest.fixture
@@ -44,7 +30,7 @@ def tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("ENGINE_REF_CACHE_ROOT", str(tmp_path / "cache"))
     monkeypatch.syspath_prepend(str(tmp_path))
     path = tmp_path / f"tiny_{uuid.uuid4().hex[:8]}.py"
-    path.write_text(textwrap.dedent(TINY_MODEL))
+    path.write_text(TINY_MODEL_CLASS)
     importlib.invalidate_caches()
     return path
 

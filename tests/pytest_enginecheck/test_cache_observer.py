@@ -5,7 +5,6 @@ the summary line for lookups no file could tell."""
 from __future__ import annotations
 
 import importlib
-import textwrap
 import uuid
 from pathlib import Path
 
@@ -14,27 +13,14 @@ import pytest
 from engine_ref.model_executor.models.registry import RegisteredModel, _ModelRegistry
 from pytest_enginecheck.cache_observer import observe_cache_file
 from pytest_enginecheck.report import cache_line, cache_totals, cache_unknown, summary_table
-
-TINY_MODEL = '''
-class TinyModel:
-    example_config = {"architectures": ["TinyModel"]}
-
-    def forward(self, input_ids, positions):
-        return input_ids
-
-    def compute_logits(self, hidden_states):
-        return hidden_states
-
-    def load_weights(self, weights):
-        return set()
-'''
+from tests.helpers import TINY_MODEL_CLASS
 
 
 def test_the_file_tells_what_the_registry_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ENGINE_REF_CACHE_ROOT", str(tmp_path / "cache"))
     monkeypatch.syspath_prepend(str(tmp_path))
     source = tmp_path / f"tiny_{uuid.uuid4().hex[:8]}.py"
-    source.write_text(textwrap.dedent(TINY_MODEL))
+    source.write_text(TINY_MODEL_CLASS)
     importlib.invalidate_caches()
     entry = RegisteredModel(source.stem, "TinyModel")
     path = _ModelRegistry._cache_path("TinyModel", entry)

@@ -10,20 +10,9 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import TINY_MODEL_CLASS
+
 BUNDLED = 5
-TINY_MODEL = '''
-class TinyForCausalLM:
-    example_config = {"architectures": ["TinyForCausalLM"]}
-
-    def forward(self, input_ids, positions):
-        return input_ids
-
-    def compute_logits(self, hidden_states):
-        return hidden_states
-
-    def load_weights(self, weights):
-        return set()
-'''
 
 
 @pytest.fixture
@@ -61,7 +50,8 @@ def test_a_second_run_over_the_zoo_is_all_hits(pytester: pytest.Pytester, cache_
 
 
 def test_an_edited_model_reads_as_source_changed(pytester: pytest.Pytester, cache_root: Path) -> None:
-    pytester.makepyfile(tiny_model=TINY_MODEL, targets='MODELS = {"TinyForCausalLM": "tiny_model:TinyForCausalLM"}\n')
+    pytester.makepyfile(tiny_model=TINY_MODEL_CLASS.replace("TinyModel", "TinyForCausalLM"),
+                        targets='MODELS = {"TinyForCausalLM": "tiny_model:TinyForCausalLM"}\n')
     pytester.makeini("[pytest]\npythonpath = .\n")
     target = "--enginecheck-target=targets:MODELS"
     run(pytester, "first", target)[0].stdout.fnmatch_lines(["ModelInfo cache: * 1 inspected (1 missing), 0 corrupt"])
