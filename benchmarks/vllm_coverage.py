@@ -36,9 +36,7 @@ ENGINE = "engine checks"
 COLUMNS = {"text generation": "text generation", "multimodal": "multimodal", "embedding": "pooling",
            "late-interaction": "pooling", "reward": "pooling", "token classification": "pooling",
            "sequence classification": "pooling", "speculative-decoding draft": "draft"}
-# vLLM's lists of the architectures its Transformers backend runs, which probe.MODEL_KINDS does not name (their
-# engine checks are decided as for an unlisted architecture: by vLLM's ModelInfo).
-TRANSFORMERS_BACKEND_LISTS = ("_TRANSFORMERS_SUPPORTED_MODELS", "_TRANSFORMERS_BACKEND_MODELS")
+# The kind of vLLM's Transformers-backend lists (probe.MIXED_KINDS: their engine checks are decided by the ModelInfo).
 TRANSFORMERS_BACKEND = "transformers backend"
 OUT_OF_TREE = "out of tree"  # registered by a plugin: in none of vLLM's in-tree lists
 # A skip's reason class, by a phrase of the message checks.py / checkpoints.py word it with (first match wins).
@@ -103,9 +101,7 @@ def measure(kinds: set[str] | None = None) -> list[Coverage]:
     from pytest_enginecheck.targets.vllm.registry import list_architectures
 
     api = probe()
-    backend = {a for name in TRANSFORMERS_BACKEND_LISTS for a in getattr(api.registry_module, name, {})}
-    kind = {e.architecture: api.model_kinds.get(e.architecture) or
-            (TRANSFORMERS_BACKEND if e.architecture in backend else OUT_OF_TREE) for e in list_architectures()}
+    kind = {e.architecture: api.model_kinds.get(e.architecture) or OUT_OF_TREE for e in list_architectures()}
     entries = [e for e in list_architectures() if kinds is None or kind[e.architecture] in kinds]
     with tempfile.TemporaryDirectory(prefix="enginecheck-coverage-") as workdir:
         return [coverage(e.architecture, e.module, e.class_name, kind[e.architecture], workdir) for e in entries]

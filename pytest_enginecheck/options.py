@@ -45,7 +45,8 @@ HELP = {
     "strict": "also fail an import that calls torch.cuda.is_available()/device_count() (cuInit on GPU hosts)",
     "device_memory": "predict the fit of each architecture's full-size config on a device of this size, e.g. 80GiB",
     "quant": f"comma-separated quantization methods for the quant check, one item per method and TP size, e.g. "
-             f"quant[fp8,tp=2]: fp8, fbgemm_fp8, int8 (default: {','.join(QUANT_METHODS)})",
+             f"quant[fp8,tp=2]: fp8, fbgemm_fp8, int8 (engine_ref); int8 (W8A8), w4a16 (vLLM) (default: "
+             f"{','.join(QUANT_METHODS)})",
     "inspect": "how the vLLM target's inspect check builds each ModelInfo: 'fork' runs vLLM's own function for it "
                "in the warm check process (fast), 'subprocess' vLLM's real inspection subprocess, a fresh "
                "interpreter per architecture (full fidelity, ~15 s each) (default: fork)",

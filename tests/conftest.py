@@ -16,6 +16,17 @@ import pytest
 from tests.helpers import LLAMA
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the shared zoo sessions the selected tests read (tests/zoo_sessions.py) in the background now, so
+    they run beside the other tests."""
+    if session.config.option.collectonly or not session.items:
+        return
+    from tests.zoo_sessions import start_needed
+
+    start_needed(session.config._tmp_path_factory,  # type: ignore[attr-defined]
+                 [item for item in session.items if isinstance(item, pytest.Function)])
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """``tiny_checkpoint(arch, **make_checkpoint_kwargs) -> Path``, cached per arguments for the session.

@@ -2,7 +2,11 @@
 results: each distinct configuration runs once per test session, whichever pytest-xdist worker asks first (under a
 file lock in the temp dir the workers' base temp dirs share), and every test gets its exit status, output and JSON
 report. A test that needs a session of its own (an option's effect, a usage error, xdist against serial) starts
-its own; these are the runs several test modules would otherwise repeat."""
+its own; these are the runs several test modules would otherwise repeat.
+
+A test module that reads a session names it in ``ZOO_SESSIONS`` (its fixture that reads it -> the session's name);
+once collection ends, the first worker starts each session a selected test needs in the background
+(``start_needed``), so it runs beside the other tests instead of holding a worker while the other waits for it."""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +38,10 @@ ROOT_CAUSES = ("--enginecheck-target=zoo.root_causes:REGISTRY",
 PLANTED = ("--enginecheck-target=zoo.planted:REGISTRY",
            "--enginecheck-checks=import,inspect,load,budget,startup,quant", "--enginecheck-quant=int8")
 
+
+# The sessions a module can name in its ZOO_SESSIONS: name -> arguments.
+SESSIONS: dict[str, tuple[str, ...]] = {"root-causes": ROOT_CAUSES, "planted": PLANTED}
+TIMEOUT = 900  # seconds a session may run
 
 # The same environment whichever test asks first: no engine_ref plugin loaded.
 _HERMETIC = {"ENGINE_REF_PLUGINS": ""}
@@ -65,25 +75,81 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
+def start_needed(tmp_path_factory: pytest.TempPathFactory, items: Iterable[pytest.Function]) -> None:
+    """Start in the background each session of ``SESSIONS`` that one of ``items`` needs (it uses a fixture its
+    module's ``ZOO_SESSIONS`` names) and that no worker of this test session has started or run yet; return at
+    once."""
+    needed = {name for item in items for fixture, name in getattr(item.module, "ZOO_SESSIONS", {}).items()
+              if fixture in item.fixturenames}
+    for name in sorted(needed):
+        run_dir = _run_dir(tmp_path_factory, name)
+        with open(run_dir / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if (run_dir / "session.json").exists() or (run_dir / "runner.pid").exists():
+                continue
+            (run_dir / "spec.json").write_text(json.dumps({"args": list(SESSIONS[name]), "timeout": TIMEOUT}))
+            # started before the root conftest's private ModelInfo cache is set: a private one of its own
+            env = {"ENGINE_REF_CACHE_ROOT": str(run_dir / "engine_ref_cache"), **os.environ}
+            with open(run_dir / "runner.log", "w") as log:
+                runner = subprocess.Popen([sys.executable, "-m", "tests.zoo_sessions", str(run_dir)],
+                                          cwd=Path(__file__).parents[1], env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            (run_dir / "runner.pid").write_text(str(runner.pid))
+
+
 def zoo_session(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str,
-                env: dict[str, str] | None = None, timeout: float = 900) -> ZooSession:
+                env: dict[str, str] | None = None, timeout: float = TIMEOUT) -> ZooSession:
     """The session ``name``: ``pytest -p no:cacheprovider --enginecheck --enginecheck-json=report.json *args`` in a
     copy of the zoo (importable: it is the PYTHONPATH; ``{dir}`` in an argument is that directory), with ``env``
-    over this process's environment; run by the first caller of this test session, read back by the others. One
-    name, one configuration."""
-    run_dir = shared_dir(tmp_path_factory) / f"zoo-session-{name}"
-    run_dir.mkdir(exist_ok=True)
+    over this process's environment; run by the first caller of this test session (or in the background, where
+    ``start_needed`` started it: then this waits for it), read back by the others. One name, one configuration."""
+    run_dir = _run_dir(tmp_path_factory, name)
     done = run_dir / "session.json"
     with open(run_dir / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
-            done.write_text(json.dumps(_run(run_dir, args, env or {}, timeout)))
+        if not done.exists() and not (run_dir / "runner.pid").exists():
+            _write(done, _run(run_dir, args, env or {}, timeout))
+    if not done.exists():
+        _wait_for_runner(run_dir, timeout)
     session = json.loads(done.read_text())
     assert session["args"] == list(args), f"zoo session {name!r} is run with other arguments elsewhere"
     report = run_dir / "report.json"
     assert report.exists(), session["stdout"] + session["stderr"]
     return ZooSession(run_dir, session["returncode"], session["stdout"], session["stderr"],
                       json.loads(report.read_text()))
+
+
+def _run_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    run_dir = shared_dir(tmp_path_factory) / f"zoo-session-{name}"
+    run_dir.mkdir(exist_ok=True)
+    return run_dir
+
+
+def _write(done: Path, session: dict[str, Any]) -> None:
+    """Write session.json whole or not at all: a waiting worker reads it as soon as it exists."""
+    partial = done.with_name(f".{done.name}.{os.getpid()}")
+    partial.write_text(json.dumps(session))
+    partial.replace(done)
+
+
+def _wait_for_runner(run_dir: Path, timeout: float) -> None:
+    """Wait for the background run of ``start_needed`` to write session.json; fail if its runner exits without it
+    or the session outlives its own timeout (the runner's subprocess timeout, plus a minute to write)."""
+    import psutil
+
+    pid = int((run_dir / "runner.pid").read_text())
+    deadline = time.monotonic() + timeout + 60
+    while not (run_dir / "session.json").exists():
+        try:
+            running = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            running = False
+        if not running and not (run_dir / "session.json").exists():
+            pytest.fail(f"the background zoo session in {run_dir} exited without its session.json: "
+                        f"{(run_dir / 'runner.log').read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"the background zoo session in {run_dir} did not finish within {timeout + 60:g} s")
+        time.sleep(0.2)
 
 
 def _run(run_dir: Path, args: tuple[str, ...], env: dict[str, str], timeout: float) -> dict[str, Any]:
@@ -94,3 +160,14 @@ def _run(run_dir: Path, args: tuple[str, ...], env: dict[str, str], timeout: flo
                          cwd=run_dir, capture_output=True, text=True, timeout=timeout,
                          env={**os.environ, "PYTHONPATH": str(run_dir), **_HERMETIC, **env})
     return {"args": list(args), "returncode": out.returncode, "stdout": out.stdout, "stderr": out.stderr}
+
+
+if __name__ == "__main__":  # start_needed's background run: python -m tests.zoo_sessions RUN_DIR
+    _dir = Path(sys.argv[1])
+    _spec = json.loads((_dir / "spec.json").read_text())
+    try:
+        _session = _run(_dir, tuple(_spec["args"]), {}, _spec["timeout"])
+    except subprocess.TimeoutExpired as e:
+        _session = {"args": _spec["args"], "returncode": -1, "stdout": str(e.stdout or ""),
+                    "stderr": f"the session did not finish within {_spec['timeout']} s"}
+    _write(_dir / "session.json", _session)

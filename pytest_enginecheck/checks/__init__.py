@@ -74,7 +74,10 @@ CHECK_SPECS = (
     CheckSpec("lora", "Running {architecture} with a LoRA adapter at tensor_parallel_size={tp}",
               tp=True, roots="build", options=("tp",),
               proves=("with a tiny PEFT adapter at TP=N, greedy tokens equal TP=1's with the adapter and differ from "
-                      "the base model's (architectures declaring `SupportsLoRA`)")),
+                      "the base model's; on vLLM (its own `enable_lora`/`LoRARequest` path) the generated tokens' "
+                      "log-probabilities also equal TP=1's within 1e-4, and at TP=1 transformers' + PEFT's, "
+                      "teacher-forced on vLLM's tokens, with the adapter and without it, within 1e-4 (which catches a "
+                      "bug that is the same at every TP size) (architectures declaring `SupportsLoRA`)")),
     CheckSpec("quant", "Running {architecture} quantized with {quantization} at tensor_parallel_size={tp}",
               tp=True, per_method=True, roots="build", options=("tp", "quant"),
               proves=("the exact oracle of a weight-only method (all of engine_ref's are: fp8, fbgemm_fp8 and int8 "
@@ -86,7 +89,16 @@ CHECK_SPECS = (
                       "names the logit, the difference and the weight whose dequantized value is not deq(W). Then "
                       "TP=N generates what TP=1 does, the logits' error against the original weights is above 0 and "
                       "under the sum of the weights' relative errors (a loose sanity check, not a bound), and "
-                      "estimate equals measurement (architectures declaring `SupportsQuant`)")),
+                      "estimate equals measurement (architectures declaring `SupportsQuant`). On vLLM (methods its "
+                      "CPU backend runs: `int8`, compressed-tensors W8A8 with dynamic per-token int8 activations, "
+                      "float32; `w4a16`, 4-bit weights in groups of 32, bfloat16; fp8 and fbgemm_fp8 are not "
+                      "offered, the settings line says why), from a pre-quantized tiny checkpoint in "
+                      "compressed-tensors' own layout with power-of-two scales: every quantized linear layer's own "
+                      "product on every rank at TP=N, on inputs its activation quantization represents exactly, "
+                      "equals bitwise that of the unquantized layer holding deq(W) on the dequantized twin at the "
+                      "same TP size (every sum is exact, so the bound is one rounding into the dtype; a scale 5 % off "
+                      "is named with its layer, rank and ratio 1.05); MoE experts that vLLM's CPU backend cannot run "
+                      "quantized with the method skip with vLLM's reason")),
 )
 SPECS = {spec.name: spec for spec in CHECK_SPECS}
 CHECKS = tuple(SPECS)

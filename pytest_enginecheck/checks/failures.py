@@ -41,15 +41,42 @@ def user_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(exc))
 
 
+# torch's companion packages: their PyPI wheels are built against PyPI's (CUDA) torch of the same release.
+TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def cpu_torch_companion(missing: str) -> str:
+    """Why ``missing`` (a top-level module name) cannot simply be installed here: where it is one of torch's companion
+    packages and the installed torch is the CPU build (``+cpu``), PyPI's wheels of it are built for PyPI's CUDA torch
+    and break against this one ("operator torchvision::nms does not exist"). Empty where that is not the case."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    if missing not in TORCH_COMPANIONS:
+        return ""
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        return ""
+    if not torch_version.endswith("+cpu"):
+        return ""
+    seen = " (\"operator torchvision::nms does not exist\")" if missing == "torchvision" else ""
+    return (f"torch here is the CPU build ({torch_version}), and PyPI's {missing} wheels are built for PyPI's CUDA "
+            f"torch: against this one they fail to load{seen}, so {missing} must be the CPU build of the matching "
+            f"release, from https://download.pytorch.org/whl/cpu.")
+
+
 def import_failure(ctx: CheckContext, exc: BaseException) -> CheckFailure:
     """An import's exception (not CUDA) as what it is: a missing dependency or module, an exit, an error."""
     module = ctx.module
     missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
     if missing and not (module == missing or module.startswith(missing + ".")):
+        why = cpu_torch_companion(missing)
+        fix = (f"{why} Install that build, or import it lazily inside the code that needs it." if why else
+               "Install it, or import it lazily inside the code that needs it.")
         return CheckFailure(
-            f"Importing {module} failed: it imports {missing!r}, which is not installed. Install it, or import "
-            f"it lazily inside the code that needs it.",
-            {"kind": "missing_dependency", "dependency": missing, "traceback": user_traceback(exc)})
+            f"Importing {module} failed: it imports {missing!r}, which is not installed. {fix}",
+            {"kind": "missing_dependency", "dependency": missing, "traceback": user_traceback(exc),
+             **({"why": why} if why else {})})
     if isinstance(exc, ModuleNotFoundError):
         return CheckFailure(
             f"Module {module!r} registered for {ctx.architecture} does not exist ({exc}); fix the registration.",

@@ -63,7 +63,15 @@ def descendants(pid: int) -> list[int]:
 
 
 def all_gone(pids: list[int]) -> bool:
-    return not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    return not [pid for pid in pids if _running(pid)]
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that is not a zombie (one that exits while it is asked about is not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.fixture

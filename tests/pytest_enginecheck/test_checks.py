@@ -20,6 +20,9 @@ from pytest_enginecheck.report import summary_mode, summary_table
 from tests.helpers import alive
 from tests.zoo_sessions import ROOT_CAUSES, ZooSession, zoo_session
 
+# the fixture that reads a shared zoo session -> its name (started early: tests/zoo_sessions.py)
+ZOO_SESSIONS = {"root_causes": "root-causes"}
+
 ZOO = Path(__file__).parents[1] / "plugin_zoo"
 MODELS: dict[str, str] = runpy.run_path(str(ZOO / "zoo" / "__init__.py"))["MODELS"]
 CHECKS = "--enginecheck-checks=import,inspect,load,startup"  # the bundled zoo's, budget aside

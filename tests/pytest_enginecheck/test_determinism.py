@@ -21,6 +21,9 @@ from pytest_enginecheck.checks import CheckContext, CheckResult
 from pytest_enginecheck.targets.engine_ref.tp_diagnosis import Capture, compare, explain_seeds, explain_tp
 from tests.zoo_sessions import PLANTED, zoo_session
 
+# the fixture that reads a shared zoo session -> its name (started early: tests/zoo_sessions.py)
+ZOO_SESSIONS = {"results": "planted"}
+
 ZOO = Path(__file__).parents[1] / "plugin_zoo"
 SPEC = "zoo.planted:REGISTRY"
 RNG, DIAG, TWIN = "RngMLPLlamaForCausalLM", "PaddedActLlamaForCausalLM", "CleanTwinLlamaForCausalLM"

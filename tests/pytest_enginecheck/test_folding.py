@@ -20,6 +20,9 @@ from pytest_enginecheck.checks.causes import failure_cause, first_exception, sam
 from tests.zoo_sessions import PLANTED as PLANTED_SESSION
 from tests.zoo_sessions import zoo_session
 
+# the fixture that reads a shared zoo session -> its name (started early: tests/zoo_sessions.py)
+ZOO_SESSIONS = {"planted": "planted"}
+
 SPEC = "zoo.planted:REGISTRY"
 PLANTED = "ShardAndLeakLlamaForCausalLM"
 TWIN = "CleanTwinLlamaForCausalLM"

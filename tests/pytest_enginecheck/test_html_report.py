@@ -20,6 +20,9 @@ import pytest
 from pytest_enginecheck.html_report import memory_bars, render
 from tests.zoo_sessions import ROOT_CAUSES, zoo_session
 
+# the fixture that reads a shared zoo session -> its name (started early: tests/zoo_sessions.py)
+ZOO_SESSIONS = {"report": "root-causes"}
+
 ZOO = Path(__file__).parents[1] / "plugin_zoo"
 CHROMIUM = next((found for name in ("chromium", "chromium-browser") if (found := shutil.which(name))), None)
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (.ci/chromium installs it "

@@ -14,6 +14,9 @@ import pytest
 
 from tests.zoo_sessions import PLANTED, zoo_session
 
+# the fixture that reads a shared zoo session -> its name (started early: tests/zoo_sessions.py)
+ZOO_SESSIONS = {"planted": "planted"}
+
 CHECKS = "import,inspect,load,budget,startup,quant"
 ITEMS = ["import", "inspect", "load[tp=1]", "load[tp=2]", "budget[tp=1]", "budget[tp=2]", "startup",
          "quant[int8,tp=1]", "quant[int8,tp=2]"]

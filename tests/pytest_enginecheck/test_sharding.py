@@ -19,6 +19,9 @@ import pytest
 
 from tests.zoo_sessions import ROOT_CAUSES, zoo_session
 
+# the fixture that reads a shared zoo session -> its name (started early: tests/zoo_sessions.py)
+ZOO_SESSIONS = {"runs": "root-causes"}
+
 pytest.importorskip("pytest_split", reason="pytest-split is not installed (the test extra installs it)")
 
 ZOO = Path(__file__).parents[1] / "plugin_zoo"

@@ -240,3 +240,128 @@ class EctpScaledShardForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights):
         return super().load_weights((name, _rank1_scaled(name, w)) for name, w in weights)
 '''
+
+# Issue 19 item 3, the lora check on vLLM: two LoRA bugs in layer 1, each of a Llama whose base weights load as they
+# should. lora_swap: the model's hf_to_vllm_mapper (which, for Llama, vLLM applies to LoRA adapter names only) sends
+# layer 1's gate_proj adapter to up_proj and the reverse: the same at every TP size, so only transformers + PEFT
+# catches it. lora_shard: layer 1's gate_up_proj is a layer class of the model's own with its own LoRA wrapper, whose
+# slice_lora_b gives every rank rank 0's rows of B: wrong only at TP>1. lora_shard_twin: the same wrapper, slicing
+# as vLLM's does.
+ENTRY_POINTS["lora_bugs"] = "ectp.lora_bugs:register"
+SOURCES["ectp/lora_bugs.py"] = '''\
+def register():
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model("EctpLoraSwapForCausalLM", "ectp.models.lora_swap:EctpLoraSwapForCausalLM")
+    ModelRegistry.register_model("EctpLoraShardForCausalLM", "ectp.models.lora_shard:EctpLoraShardForCausalLM")
+    ModelRegistry.register_model("EctpLoraShardTwinForCausalLM", "ectp.models.lora_shard:EctpLoraShardTwinForCausalLM")
+'''
+SOURCES["ectp/models/lora_swap.py"] = "import re\n\n" + _LLAMA + '''\
+from vllm.model_executor.models.utils import WeightsMapper
+
+
+def _swapped(match):
+    # The bug under test: layer 1's adapter for gate_proj is applied to up_proj, and up_proj's to gate_proj.
+    return match.group(1) + ("up" if match.group(2) == "gate" else "gate") + "_proj"
+
+
+class EctpLoraSwapForCausalLM(LlamaForCausalLM):
+    hf_to_vllm_mapper = WeightsMapper(orig_to_new_regex={re.compile(r"(layers[.]1[.]mlp[.])(gate|up)_proj"): _swapped})
+'''
+SOURCES["ectp/models/lora_shard.py"] = _LLAMA + '''\
+import vllm.lora.utils
+from vllm.lora.layers import MergedColumnParallelLinearWithLoRA
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+from vllm.model_executor.models.llama import LlamaDecoderLayer
+
+
+class Layer1GateUp(MergedColumnParallelLinear):
+    """Layer 1's gate_up_proj under a class of this model's own, which vLLM's generic LoRA wrapper leaves alone."""
+
+
+class Layer1GateUpTwin(MergedColumnParallelLinear):
+    """The twin's."""
+
+
+class Layer1GateUpWithLoRA(MergedColumnParallelLinearWithLoRA):
+    def slice_lora_b(self, lora_b):
+        # The bug under test: every rank takes rank 0's rows of B (the rank offset left out).
+        return [None if b is None else b[:size, :] for b, size in zip(lora_b, self.output_slices)]
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None):
+        return type(source_layer) is Layer1GateUp
+
+
+class Layer1GateUpTwinWithLoRA(MergedColumnParallelLinearWithLoRA):
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None):
+        return type(source_layer) is Layer1GateUpTwin
+
+
+vllm.lora.utils._all_lora_classes = (Layer1GateUpWithLoRA, Layer1GateUpTwinWithLoRA, *vllm.lora.utils._all_lora_classes)
+
+
+def _layer(cls):
+    class Layer(LlamaDecoderLayer):
+        def __init__(self, vllm_config, prefix="", **kwargs):
+            super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+            if prefix.endswith(".layers.1"):
+                self.mlp.gate_up_proj.__class__ = cls
+
+    return Layer
+
+
+class EctpLoraShardForCausalLM(LlamaForCausalLM):
+    def __init__(self, *, vllm_config, prefix=""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=_layer(Layer1GateUp))
+
+
+class EctpLoraShardTwinForCausalLM(LlamaForCausalLM):
+    def __init__(self, *, vllm_config, prefix=""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=_layer(Layer1GateUpTwin))
+'''
+
+# Issue 19 item 4, the quant check: planted bugs in the pre-quantized checkpoint's scales as the model loads them.
+# quant_scale: layer 1's down_proj weight_scale 5 % too large at every TP size; quant_shard: at TP>1, layer 1's
+# gate_proj weight_scale gives every rank rank 0's rows (rank 1 scales its output channels by rank 0's scales).
+ENTRY_POINTS["quant_scale"] = "ectp.quant_bugs:register_scale"
+ENTRY_POINTS["quant_shard"] = "ectp.quant_bugs:register_shard"
+SOURCES["ectp/quant_bugs.py"] = '''\
+def register_scale():
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model("EctpQuantScaleForCausalLM", "ectp.models.quant_bugs:EctpQuantScaleForCausalLM")
+
+
+def register_shard():
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model("EctpQuantShardForCausalLM", "ectp.models.quant_bugs:EctpQuantShardForCausalLM")
+'''
+SOURCES["ectp/models/quant_bugs.py"] = _LLAMA + '''\
+from vllm.distributed import get_tensor_model_parallel_world_size
+
+
+def _scale_off(name, weight):
+    if name == "model.layers.1.mlp.down_proj.weight_scale":
+        return weight * 1.05
+    return weight
+
+
+def _rank0_scales(name, weight):
+    tp = get_tensor_model_parallel_world_size()
+    if name == "model.layers.1.mlp.gate_proj.weight_scale" and tp > 1:
+        return weight[: weight.shape[0] // tp].repeat(tp, *([1] * (weight.dim() - 1)))
+    return weight
+
+
+class EctpQuantScaleForCausalLM(LlamaForCausalLM):
+    def load_weights(self, weights):
+        return super().load_weights((name, _scale_off(name, w)) for name, w in weights)
+
+
+class EctpQuantShardForCausalLM(LlamaForCausalLM):
+    def load_weights(self, weights):
+        return super().load_weights((name, _rank0_scales(name, w)) for name, w in weights)
+'''

@@ -6,9 +6,10 @@
 - ``registry``: every architecture (string- or class-registered), imported and inspected under the guard.
 - ``preload`` / ``warm``: the modules many model modules share, found from the target, preloaded in the warm parent.
 - ``checkpoints``: tiny HF checkpoints from transformers' config classes.
+- ``limits``: the checker's own limits an engine start on a tiny checkpoint can end in (skips naming them).
 - ``engine`` / ``memory`` / ``failures`` / ``diagnosis``: vLLM's own engine on CPU ranks, its per-rank memory, its
   failures, the first module that differs between TP sizes.
-- ``checks``: the check functions the runner calls for ``--enginecheck-target=vllm``.
+- ``checks``: the check functions the runner calls for ``--enginecheck-target=vllm``; ``lora``: its lora check.
 
 Importing this package imports neither torch nor vLLM.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import TYPE_CHECKING
 
 from pytest_enginecheck.checks.plugins_check import plugin_errors
 from pytest_enginecheck.targets import (
@@ -31,12 +33,14 @@ from pytest_enginecheck.targets import (
     without_failed,
 )
 
+if TYPE_CHECKING:
+    from pytest_enginecheck.options import Settings
+
 # The engine's own packages: strict mode does not blame a model for the CUDA queries made while they are imported
 # (see guard.CudaGuard).
 ENGINE_PACKAGES = ("vllm",)
 CHECKS = ("plugins", "import", "inspect")
-ENGINE_CHECKS = ("load", "budget", "startup")  # with a CPU build of vLLM
-NOT_YET = "not implemented for the vLLM target yet: they run on engine_ref targets"
+ENGINE_CHECKS = ("load", "budget", "startup", "lora", "quant")  # with a CPU build of vLLM
 
 
 class VllmTarget(Target):
@@ -50,11 +54,22 @@ class VllmTarget(Target):
     def offered(self) -> Offer:
         """The engine checks where vLLM can start its CPU engine here (decided without importing vLLM)."""
         from pytest_enginecheck.targets.vllm.probe import cpu_backend_missing
+        from pytest_enginecheck.targets.vllm.quant import NOT_OFFERED
 
         missing = cpu_backend_missing()
         checks = CHECKS if missing else (*CHECKS, *ENGINE_CHECKS)
         refused = [(check, missing) for check in ENGINE_CHECKS if missing]
-        return Offer(checks, (*refused, ("lora", NOT_YET), ("quant", NOT_YET)))
+        methods = () if missing else tuple((f"quant[{m}]", why) for m, why in NOT_OFFERED.items())
+        return Offer(checks, (*refused, *methods))
+
+    def check_settings(self, settings: Settings) -> None:
+        """The quant check's methods must be ones the vLLM target knows (quant.METHODS, or NOT_OFFERED: skipped)."""
+        from pytest_enginecheck.targets.vllm.quant import METHODS, NOT_OFFERED
+
+        unknown = [m for m in settings.quant_methods if m not in (*METHODS, *NOT_OFFERED)]
+        if unknown:
+            raise TargetError(f"--enginecheck-quant={','.join(settings.quant_methods)!r}: unknown method(s) "
+                              f"{', '.join(unknown)} for the vLLM target; choose from {','.join(METHODS)}")
 
     def describe(self, strict: bool = False) -> TargetDescription:
         from pytest_enginecheck.targets.vllm.env import output_into

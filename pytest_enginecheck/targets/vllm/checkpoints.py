@@ -8,13 +8,14 @@ transformers class, or whose config refuses the tiny sizes, raises NoTinyCheckpo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,10 @@ TINY_SIZES: dict[str, Any] = {
 }
 
 
+EXPERT_COUNTS = ("num_local_experts", "num_experts")
+EXPERT_FIELDS = (*EXPERT_COUNTS, "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
 class NoTinyCheckpoint(Exception):
     """No tiny checkpoint can be made for the architecture; the message says why."""
 
@@ -39,9 +44,18 @@ def tiny_sizes(fields: Mapping[str, Any]) -> dict[str, Any]:
     """The sizes a tiny config is built with, from the fields its default config has (name -> default value).
 
     TINY_SIZES where the config has the field; a router that picks fewer experts per token than TINY_SIZES (Llama
-    4's top-1) keeps its own number; a config that lists ``layer_types`` gets one full-attention layer per layer.
+    4's top-1) keeps its own number; a config without experts by default keeps its expert fields; a config that
+    lists ``layer_types`` gets one full-attention layer per layer.
     """
     sizes = {k: v for k, v in TINY_SIZES.items() if k in fields}
+    counts = [fields[k] for k in EXPERT_COUNTS if k in fields]
+    if counts and not any(counts):
+        # no experts by default (Gemma 4's num_experts=None): a dense model, which vLLM tells by the expert count
+        sizes = {k: v for k, v in sizes.items() if k not in EXPERT_FIELDS}
+    if "attention_hidden_size" in fields:
+        # Zamba's shared attention runs on [hidden, embeddings] (2 * hidden_size); its __post_init__ derives the
+        # head size (``head_dim`` is an alias of it), which a tiny head_dim would contradict
+        sizes.pop("head_dim", None)
     if isinstance(fields.get("num_experts_per_tok"), int):
         sizes["num_experts_per_tok"] = min(fields["num_experts_per_tok"], TINY_SIZES["num_experts_per_tok"])
     if "layer_types" in fields:
@@ -96,9 +110,14 @@ def _default(defaults: Any, name: str) -> Any:
 
 
 def _build(config_cls: type, sizes: dict[str, Any]) -> tuple[Any, Exception | None]:
-    """``config_cls(**sizes)``, or None and what it raised (any exception: the config's validators are the limit)."""
+    """``config_cls(**sizes)``, or None and what it raised (any exception: the config's validators are the limit).
+
+    A size named by an alias (the class's ``attribute_map``: Zamba2's ``head_dim`` and ``layer_types``) is passed
+    under the field's own name, so the config's ``__post_init__`` derives the fields that depend on it from it
+    (an alias is set after it: Zamba2's ``hybrid_layer_ids`` stayed the defaults')."""
+    aliases = getattr(config_cls, "attribute_map", None) or {}
     try:
-        return config_cls(**sizes), None
+        return config_cls(**{aliases.get(k, k): v for k, v in sizes.items()}), None
     except Exception as e:  # noqa: BLE001 - TypeError, ValueError, huggingface_hub's StrictDataclass*Error, ...
         return None, e
 
@@ -132,30 +151,45 @@ def tiny_config(architecture: str, model_cls: type | None = None) -> Any:
     except Exception as e:  # noqa: BLE001 - transformers' limit: the config needs arguments the checker cannot know
         raise NoTinyCheckpoint(f"{config_cls.__name__}() cannot be built with its defaults: {type(e).__name__}: {e}"
                                ) from None
-    if getattr(defaults, "text_config", None) is not None and defaults.text_config is not defaults:
-        raise NoTinyCheckpoint(f"{config_cls.__name__} is a composite (multimodal) config; only text decoders "
-                               f"get tiny checkpoints so far")
-    names = (*TINY_SIZES, "num_heads", "expand", "n_groups")
+    from pytest_enginecheck.targets.vllm import composite
+
+    if composite.is_composite(defaults):  # a multimodal config: its text decoder shrunk by tiny_text_config
+        config = composite.tiny_composite_config(config_cls, defaults, tiny_text_config)
+    else:
+        config = tiny_text_config(config_cls, defaults)
+    config.architectures = [architecture]
+    config.dtype = "float32"
+    return config
+
+
+def tiny_text_config(config_cls: type, defaults: Any) -> Any:
+    """A text decoder's config class with TINY_SIZES applied; ``defaults`` is its default config."""
+    names = (*TINY_SIZES, "num_heads", "expand", "n_groups", "attention_hidden_size")
     fields = {k: v for k in names if (v := _default(defaults, k)) is not _MISSING}
     if "layer_types" in defaults.to_dict():
         fields["layer_types"] = defaults.layer_types
     # Never set a read-only property; where a field refuses None (an int-typed sliding_window), keep its default.
-    sizes = {k: v for k, v in tiny_sizes(fields).items()
-             if not _read_only(config_cls, k) and (v is not None or _admits_none(config_cls, k))}
+    aliases = getattr(config_cls, "attribute_map", None) or {}
+    sizes = {k: v for k, v in tiny_sizes(fields).items() if not _read_only(config_cls, aliases.get(k, k))
+             and (v is not None or _admits_none(config_cls, aliases.get(k, k)))}
+    if aliases.get("head_dim") == "qk_rope_head_dim":
+        # MLA whose ``head_dim`` is the rope part (GLM-4.7-Flash): vLLM's MLA backends take only the head sizes of
+        # real models (kv_lora_rank + qk_rope_head_dim = 576), so the rope part keeps its default
+        sizes.pop("head_dim", None)
     config, error = _build(config_cls, sizes)
     layer_types = _default(defaults, "layer_types")
     if config is None and isinstance(layer_types, list) and not _read_only(config_cls, "layer_types"):
         config, _ = _build(config_cls, {**sizes, **tiny_layout(layer_types, sizes.get("num_hidden_layers", 2))})
     if config is None:
         raise NoTinyCheckpoint(f"{config_cls.__name__} refuses the tiny sizes {sizes}: {type(error).__name__}: {error}")
-    config.architectures = [architecture]
-    config.dtype = "float32"
     return config
 
 
 def make_tiny_checkpoint(architecture: str, path: Path, model_cls: type | None = None) -> Path:
     """Write the tiny checkpoint of ``architecture`` to ``path`` (config.json + model.safetensors)."""
     import torch
+
+    from pytest_enginecheck.targets.vllm import composite
 
     config = tiny_config(architecture, model_cls)
     config.dtype = torch.float32  # transformers' modeling code may read it as a torch.dtype (Apertus' xIELU)
@@ -166,13 +200,29 @@ def make_tiny_checkpoint(architecture: str, path: Path, model_cls: type | None =
         raise NoTinyCheckpoint(f"transformers cannot build a tiny {architecture}: {type(e).__name__}: {e}") from None
     try:
         _save_without_progress_bar(model, path)
+        composite.undo_doubled_prefixes(path, model)
     except Exception as e:  # noqa: BLE001 - transformers' writer refusing the tiny model, not the vLLM model
         raise NoTinyCheckpoint(f"transformers cannot save a tiny {architecture}: {type(e).__name__}: {e}") from None
     config_path = Path(path) / "config.json"
     saved = json.loads(config_path.read_text())
     saved["architectures"] = [architecture]  # save_pretrained writes the transformers class's name
+    saved.update({k: v for k, v in hub_fields(saved).items() if k not in saved})
     config_path.write_text(json.dumps(saved, indent=2))
     return path
+
+
+def hub_fields(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """Fields of the hub checkpoints' config schema that transformers' config class replaced, derived from what it
+    wrote, for the vLLM models that read the hub's names: ``mlp_layer_types`` of dense layers, then sparse (MoE) ones
+    is the hub's ``first_k_dense_replace`` (every layer after them MoE: ``moe_layer_freq`` 1; GLM-4.7-Flash's
+    Glm4MoeLiteConfig). transformers keeps them as extra attributes and ignores them."""
+    mlp = saved.get("mlp_layer_types")
+    if not isinstance(mlp, list):
+        return {}
+    dense = next((i for i, kind in enumerate(mlp) if kind != "dense"), len(mlp))
+    if not all(kind == "sparse" for kind in mlp[dense:]):
+        return {}
+    return {"first_k_dense_replace": dense, "moe_layer_freq": 1}
 
 
 def _save_without_progress_bar(model: Any, path: Path) -> None:
@@ -191,15 +241,40 @@ def _save_without_progress_bar(model: Any, path: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
+CHECKPOINTS_DIR = "vllm-checkpoints"  # in the session's workdir: the tiny checkpoints the checker wrote
+
+
+def is_tiny_checkpoint(path: str | Path, workdir: str) -> bool:
+    """Whether ``path`` is (in) a tiny checkpoint the checker wrote in ``workdir`` (``tiny_checkpoint``)."""
+    return (Path(workdir) / CHECKPOINTS_DIR).resolve() in Path(path).resolve().parents
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """torch on one intra-op thread meanwhile. The check child that makes a checkpoint then forks vLLM's ranks
+    (engine.py), and a fork of a process whose OpenMP pool ran deadlocks in its first parallel torch op: a tensor
+    above ATen's grain size (32768 elements: a vision patch embedding, an audio encoder's 1500 positions) starts
+    that pool, and rank 0 hung in the rotary cache of PaliGemma's text model until the check's timeout."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def tiny_checkpoint(architecture: str, workdir: str, model_cls: type | None = None) -> Path:
     """The architecture's tiny checkpoint under ``workdir``, made once (atomically, so xdist workers share it)."""
-    path = Path(workdir) / "vllm-checkpoints" / architecture
+    path = Path(workdir) / CHECKPOINTS_DIR / architecture
     if (path / "config.json").exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{architecture}-"))
     try:
-        make_tiny_checkpoint(architecture, tmp, model_cls)
+        with _one_torch_thread():
+            make_tiny_checkpoint(architecture, tmp, model_cls)
         os.replace(tmp, path)
     except OSError:  # another process of this session made it first
         if not (path / "config.json").exists():

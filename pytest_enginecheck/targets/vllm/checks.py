@@ -20,10 +20,11 @@ from typing import Any
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
 from pytest_enginecheck.checks.failures import cuda_failure, import_failure, missing_class
 from pytest_enginecheck.targets.vllm import registry
-from pytest_enginecheck.targets.vllm.checkpoints import NoTinyCheckpoint, tiny_checkpoint
+from pytest_enginecheck.targets.vllm.checkpoints import NoTinyCheckpoint, is_tiny_checkpoint, tiny_checkpoint
 from pytest_enginecheck.targets.vllm.engine import EngineRun, EngineStartError, run_engine
 from pytest_enginecheck.targets.vllm.env import redirect_caches
-from pytest_enginecheck.targets.vllm.probe import GENERATING_KINDS, VllmUnavailable, probe
+from pytest_enginecheck.targets.vllm.limits import checker_limit
+from pytest_enginecheck.targets.vllm.probe import GENERATING_KINDS, MIXED_KINDS, VllmUnavailable, probe
 
 
 def _entry(ctx: CheckContext) -> registry.VllmArch:
@@ -74,11 +75,18 @@ def _inspect_fork(ctx: CheckContext, entry: registry.VllmArch, model_cls: type) 
     try:
         info, accesses = registry.inspect_in_fork(model_cls, strict=ctx.strict)
     except Exception as e:  # noqa: BLE001 - the class's own error while vLLM inspects it
-        raise CheckFailure(f"{type(e).__name__}: {e} (vLLM inspecting {ctx.architecture})",
-                           {"kind": "inspection", "mode": "fork", "traceback": traceback.format_exc()}) from None
+        raise _inspection_failure(ctx, e) from None
     if accesses:
         raise cuda_failure(f"Inspecting {ctx.architecture}", accesses[0], entry.module)
     return {**info, "cache": "--enginecheck-inspect=fork builds each ModelInfo without vLLM's modelinfos cache"}
+
+
+def _inspection_failure(ctx: CheckContext, e: Exception, before: str = "") -> CheckFailure:
+    """The failure of vLLM's ModelInfo building raising ``e`` (in an ``except`` block: its traceback is the
+    detail's), as the inspect check words it; with ``before``, a dependent check's words in front. Its cause
+    (``checks.causes``) is the same either way: the exception."""
+    return CheckFailure(f"{before}{type(e).__name__}: {e} (vLLM inspecting {ctx.architecture})",
+                        {"kind": "inspection", "mode": "fork", "traceback": traceback.format_exc()})
 
 
 STORE_TIMEOUT_S = 15.0  # for the import check's fork building the inspect verdict (a ModelInfo takes milliseconds)
@@ -175,11 +183,15 @@ def _checkpoint(ctx: CheckContext) -> str:
     entry = _entry(ctx)
     model_cls = _model_class(ctx, entry)
     kind = probe().model_kinds.get(ctx.architecture)
-    if kind is not None and kind not in GENERATING_KINDS:
+    if kind is not None and kind not in (*GENERATING_KINDS, *MIXED_KINDS):
         article = "an" if kind[0] in "aeiou" else "a"
         raise CheckSkip(f"vLLM registers {ctx.architecture} as {article} {kind} model: the engine checks compare "
                         f"generated tokens")
-    info, _ = registry.inspect_in_fork(model_cls)
+    try:
+        info, _ = registry.inspect_in_fork(model_cls)
+    except Exception as e:  # noqa: BLE001 - the inspect check's failure, for the same cause
+        raise _inspection_failure(ctx, e, "vLLM cannot inspect the class, so no engine starts (the inspect check "
+                                          "fails for it too): ") from None
     if not info.get("is_text_generation_model", True):
         raise CheckSkip(f"{ctx.architecture} is not a text generation model (vLLM's ModelInfo): the engine checks "
                         f"compare generated tokens")
@@ -189,25 +201,31 @@ def _checkpoint(ctx: CheckContext) -> str:
         raise CheckSkip(f"no tiny checkpoint can be made: {e}") from None
 
 
-def _start(ctx: CheckContext, ckpt: str, tp: int, mode: str) -> EngineRun:
+def _start(ctx: CheckContext, ckpt: str, tp: int, mode: str, engine_args: dict[str, Any] | None = None) -> EngineRun:
     try:
-        return run_engine(ckpt, tp, mode, timeout=max(10.0, ctx.timeout * 0.8))
+        return run_engine(ckpt, tp, mode, timeout=max(10.0, ctx.timeout * 0.8), engine_args=engine_args)
     except EngineStartError as e:
+        limit = checker_limit(e.failure) if is_tiny_checkpoint(ckpt, ctx.workdir) else None
+        if limit:  # a limit of the checker's own tiny checkpoint on vLLM's CPU backend (limits.py), not the model's
+            raise CheckSkip(f"vLLM's engine cannot run the checker's tiny checkpoint of {ctx.architecture} at "
+                            f"tensor_parallel_size={tp} in phase {e.failure.phase}: {limit}") from None
         raise CheckFailure(e.failure.describe(ctx.architecture, tp),
                            {"kind": "engine", "phase": e.failure.phase, "rank": e.failure.rank,
                             "traceback": e.failure.traceback}) from None
 
 
-def _shared_run(ctx: CheckContext, ckpt: str, tp: int, mode: str) -> EngineRun:
-    """One engine start per (architecture, TP, mode) for load and budget, kept in the session's workdir."""
+def _shared_run(ctx: CheckContext, ckpt: str, tp: int, mode: str, engine_args: dict[str, Any] | None = None,
+                kind: str = "") -> EngineRun:
+    """One engine start per (architecture, TP, mode) for load and budget, kept in the session's workdir; a start
+    with ``engine_args`` is shared under its own ``kind`` (``lora``: per TP size for lora[tp=1] and lora[tp=N])."""
     import json
     from dataclasses import asdict
 
-    path = os.path.join(ctx.workdir, "vllm-runs", f"{ctx.architecture}-tp{tp}-{mode}.json")
+    path = os.path.join(ctx.workdir, "vllm-runs", f"{ctx.architecture}-tp{tp}-{mode}{'-' + kind if kind else ''}.json")
     if os.path.exists(path):
         with open(path) as f:
             return EngineRun(**json.load(f))
-    run = _start(ctx, ckpt, tp, mode)
+    run = _start(ctx, ckpt, tp, mode, engine_args)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(asdict(run), f)
@@ -220,7 +238,7 @@ def _verify_tp(ckpt: str, tp: int) -> None:
 
     with open(os.path.join(ckpt, "config.json")) as f:
         config = json.load(f)
-    heads = config.get("num_attention_heads", 1)
+    heads = config.get("num_attention_heads") or config.get("text_config", {}).get("num_attention_heads", 1)
     if heads % tp:
         raise CheckSkip(f"num_attention_heads={heads} cannot be split over tensor_parallel_size={tp}")
 
@@ -370,8 +388,22 @@ def _version() -> str:
     return "not installed"
 
 
+def run_lora(ctx: CheckContext) -> dict[str, Any]:
+    """lora[tp=N]: ``lora.run``."""
+    from pytest_enginecheck.targets.vllm.lora import run
+
+    return run(ctx)
+
+
+def run_quant(ctx: CheckContext) -> dict[str, Any]:
+    """quant[METHOD,tp=N]: ``quant.run``."""
+    from pytest_enginecheck.targets.vllm.quant import run
+
+    return run(ctx)
+
+
 CHECK_FUNCTIONS: dict[str, Callable[[CheckContext], dict[str, Any]]] = {
     name: skips_unavailable(check) for name, check in
     {"import": run_import, "inspect": run_inspect, "load": run_load, "budget": run_budget,
-     "startup": run_startup}.items()
+     "startup": run_startup, "lora": run_lora, "quant": run_quant}.items()
 }

@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pytest_enginecheck.targets.vllm.composite import engine_args as text_only_args
 from pytest_enginecheck.targets.vllm.env import cpu_engine_env
 from pytest_enginecheck.targets.vllm.failures import EngineFailure, classify
 from pytest_enginecheck.targets.vllm.probe import VllmUnavailable, engine_api, logprobs_api, model_initializer
@@ -52,6 +53,12 @@ SHM_MARK = "-cpushm"  # in the names of vLLM's CpuCommunicator's shared-memory a
 # machine at once collide ("create shm in SHMManager failed. errno: 17"), so they take turns on this lock.
 MULTIRANK_LOCK = "/tmp/pytest-enginecheck-vllm-multirank.lock"
 FAILURE_GRACE_S = 2.0  # after a rank failed: how long the others may take to fail too (the first death is the cause)
+# engine_args' key (not an argument of LLM) naming a PEFT adapter directory: that start generates the prompts without
+# the adapter and again with it (EngineRun.lora_tokens); its LoRA arguments (enable_lora, ...) are the caller's.
+LORA_ADAPTER = "enginecheck_lora_adapter"
+# engine_args' key (not an argument of LLM) naming a function run on every worker (``collective_rpc``) after the
+# generation: each rank's result in EngineRun.captures (the quant check's local products, quant.py).
+WORKER_RPC = "enginecheck_worker_rpc"
 ENGINE_ARGS: dict[str, Any] = {"skip_tokenizer_init": True, "enforce_eager": True, "dtype": "float32",
                                "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4,
                                "max_num_batched_tokens": MAX_MODEL_LEN, "seed": 0}
@@ -79,6 +86,10 @@ class EngineRun:
     # the top LOGPROBS tokens and the actual one (ids as strings: a run is cached as JSON). Empty: not asked.
     logprobs: list[list[dict[str, float]]] = field(default_factory=list)
     logprobs_unavailable: str = ""  # why vLLM gave none (probe.logprobs_api), when it did not
+    # A start with a LoRA adapter (engine_args[LORA_ADAPTER]): the same prompts' tokens and log-probabilities with
+    # the adapter; ``tokens`` and ``logprobs`` are then the base model's from the same engine.
+    lora_tokens: list[list[int]] = field(default_factory=list)
+    lora_logprobs: list[list[dict[str, float]]] = field(default_factory=list)
 
 
 def prompts(vocab_size: int) -> list[list[int]]:
@@ -117,10 +128,14 @@ def _drive(ckpt: str, tp: int, mode: str, rank: int, extra: dict[str, Any],
     from pytest_enginecheck.targets.vllm.memory import rank_memory
 
     api = engine_api()
+    extra = dict(extra)
+    adapter = extra.pop(LORA_ADAPTER, None)
+    rpc = extra.pop(WORKER_RPC, None)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     try:
-        llm = api.llm(model=ckpt, tensor_parallel_size=tp, **ENGINE_ARGS, **extra)
+        # extra may set the dtype; a composite checkpoint's text decoder runs alone (composite.engine_args)
+        llm = api.llm(model=ckpt, tensor_parallel_size=tp, **{**ENGINE_ARGS, **text_only_args(ckpt), **extra})
     except Exception as e:  # noqa: BLE001 - reported by phase and rank
         raise EngineStartError(classify(e, rank), str(e)) from None
     seconds["start"] = time.perf_counter() - start
@@ -132,7 +147,9 @@ def _drive(ckpt: str, tp: int, mode: str, rank: int, extra: dict[str, Any],
         unavailable = ""
         try:
             logprobs_api()
-            asked = {"logprobs": LOGPROBS, "prompt_logprobs": LOGPROBS}
+            # vLLM 0.32's CPU LoRA logits path fails on prompt log-probabilities (LogitsProcessorWithLoRA sizes its
+            # indices by request, the prompt's logits by token): with an adapter, the generated tokens' only.
+            asked = {"logprobs": LOGPROBS, **({} if adapter else {"prompt_logprobs": LOGPROBS})}
         except VllmUnavailable as e:
             unavailable = str(e)
         params = api.sampling_params(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, **asked)
@@ -140,15 +157,28 @@ def _drive(ckpt: str, tp: int, mode: str, rank: int, extra: dict[str, Any],
                                use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         logprobs = [_logprobs(o) for o in outputs] if asked else []
+        lora_tokens, lora_logprobs = _generate_with_lora(llm, ckpt, params, adapter) if adapter else ([], [])
         seconds["generate"] = time.perf_counter() - mark
         memory = llm.collective_rpc(rank_memory)
+        captures = list(llm.collective_rpc(rpc)) if rpc is not None else []
     except Exception as e:  # noqa: BLE001
         raise EngineStartError(classify(e, rank), str(e)) from None
     finally:
         mark = time.perf_counter()
         shutdown(llm)
         seconds["shutdown"] = time.perf_counter() - mark
-    return EngineRun(tp, mode, tokens, memory, seconds, logprobs=logprobs, logprobs_unavailable=unavailable)
+    return EngineRun(tp, mode, tokens, memory, seconds, captures=captures, logprobs=logprobs,
+                     logprobs_unavailable=unavailable, lora_tokens=lora_tokens,
+                     lora_logprobs=lora_logprobs if asked else [])
+
+
+def _generate_with_lora(llm: Any, ckpt: str, params: Any, adapter: str) -> tuple[list[list[int]], list[Any]]:
+    """The fixed prompts' greedy tokens and log-probabilities with the PEFT adapter at ``adapter`` (a LoRARequest)."""
+    from pytest_enginecheck.targets.vllm.lora import lora_request
+
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts(vocab_size(ckpt))], params, use_tqdm=False,
+                           lora_request=lora_request(adapter))
+    return [list(o.outputs[0].token_ids) for o in outputs], [_logprobs(o) for o in outputs]
 
 
 def shutdown(llm: Any) -> None:
@@ -162,7 +192,8 @@ def shutdown(llm: Any) -> None:
 
 
 def _rank_main(ckpt: str, tp: int, rank: int, port: int, ipc_dir: str,
-               conn: multiprocessing.connection.Connection, capture_prompt: list[int] | None = None) -> None:
+               conn: multiprocessing.connection.Connection, capture_prompt: list[int] | None = None,
+               engine_args: dict[str, Any] | None = None) -> None:
     import cloudpickle
 
     from pytest_enginecheck.targets.vllm.ranklog import capture_output
@@ -172,6 +203,7 @@ def _rank_main(ckpt: str, tp: int, rank: int, port: int, ipc_dir: str,
                       MASTER_PORT=str(port), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_RPC_BASE_PATH=ipc_dir)
     try:
         extra = {"distributed_executor_backend": "external_launcher"} if tp > 1 else {}
+        extra.update(engine_args or {})
         outcome: tuple = ("ok", _drive(ckpt, tp, "warm", rank, extra, capture_prompt))
     except EngineStartError as e:
         outcome = ("error", e.failure, str(e))
@@ -298,18 +330,23 @@ def _one_multirank_engine_at_a_time(deadline: Deadline) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _run_ranks(ckpt: str, tp: int, timeout: float, capture_prompt: list[int] | None = None) -> EngineRun:
+def _run_ranks(ckpt: str, tp: int, timeout: float, capture_prompt: list[int] | None = None,
+               engine_args: dict[str, Any] | None = None) -> EngineRun:
     """Fork ``tp`` ranks and wait for each one's EngineRun under one deadline (engine_ref.isolation's wait)."""
     from engine_ref.isolation import Deadline
 
     deadline = Deadline(timeout)
     if tp == 1:
-        return _fork_ranks(ckpt, tp, deadline, capture_prompt)
+        return _fork_ranks(ckpt, tp, deadline, capture_prompt, engine_args)
     with _one_multirank_engine_at_a_time(deadline):
-        return _fork_ranks(ckpt, tp, deadline, capture_prompt)
+        # What an engine killed mid-run left (a check's timeout kills its whole tree before _remove_left_shm runs):
+        # under the lock no other TP>1 engine of ours runs, so a segment nobody maps is a leftover, not a peer's.
+        _remove_left_shm(set())
+        return _fork_ranks(ckpt, tp, deadline, capture_prompt, engine_args)
 
 
-def _fork_ranks(ckpt: str, tp: int, deadline: Deadline, capture_prompt: list[int] | None) -> EngineRun:
+def _fork_ranks(ckpt: str, tp: int, deadline: Deadline, capture_prompt: list[int] | None,
+                engine_args: dict[str, Any] | None = None) -> EngineRun:
     """The ranks under ``deadline`` (the start's Deadline; what the lock waited is already spent from it)."""
     from engine_ref.isolation import AnswerWait, Deadline, start_process
 
@@ -327,7 +364,7 @@ def _fork_ranks(ckpt: str, tp: int, deadline: Deadline, capture_prompt: list[int
             reader, writer = ctx.Pipe(duplex=False)
             readers[rank] = reader
             procs[rank] = start_process(_rank_main, ckpt, tp, rank, port, ipc_dir, writer, capture_prompt,
-                                        name=f"vllm-rank-{rank}", ctx=ctx)
+                                        engine_args, name=f"vllm-rank-{rank}", ctx=ctx)
             writer.close()
         wait = AnswerWait(readers, {rank: proc.sentinel for rank, proc in procs.items()}, deadline)
         runs = _gather(wait, procs, deadline.seconds or 0.0)
@@ -350,11 +387,12 @@ def _fork_ranks(ckpt: str, tp: int, deadline: Deadline, capture_prompt: list[int
 
 
 def run_engine(ckpt: str, tp: int, mode: str = "warm", timeout: float = 300.0,
-               capture_prompt: list[int] | None = None) -> EngineRun:
+               capture_prompt: list[int] | None = None, engine_args: dict[str, Any] | None = None) -> EngineRun:
     """Start vLLM on ``ckpt`` at ``tp`` ranks (see the module docstring), generate, measure, stop.
 
     With ``capture_prompt``, instead of generating and measuring: one prefill of that prompt with every module
-    hooked (the TP diagnosis), each rank's capture in ``EngineRun.captures``."""
+    hooked (the TP diagnosis), each rank's capture in ``EngineRun.captures``. ``engine_args``: more of ``LLM``'s
+    arguments (the quant check's ``logprobs_mode``), with WORKER_RPC and LORA_ADAPTER."""
     if mode not in START_MODES:
         raise ValueError(f"mode={mode!r}: use one of {', '.join(START_MODES)}")
     engine_api()  # a vLLM without what the engine needs ends here (VllmUnavailable, a skip), not inside a rank
@@ -365,8 +403,8 @@ def run_engine(ckpt: str, tp: int, mode: str = "warm", timeout: float = 300.0,
     if mode == "spawn":
         # collective_rpc ships rank_memory (a function) to the engine-core process: vLLM's opt-in for pickling it.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        run = _drive(ckpt, tp, mode, 0, {}, capture_prompt)
+        run = _drive(ckpt, tp, mode, 0, dict(engine_args or {}), capture_prompt)
     else:
-        run = _run_ranks(ckpt, tp, timeout, capture_prompt)
+        run = _run_ranks(ckpt, tp, timeout, capture_prompt, engine_args)
     run.seconds["total"] = time.perf_counter() - start
     return run

@@ -69,20 +69,35 @@ def activation_peak(fn: Any, existing: Any = ()) -> int:
 
 
 def _meta_model(vllm_config: Any) -> Any:
-    """vLLM's model for this rank on the meta device; its layers leave vLLM's forward context as found."""
-    import torch
+    """vLLM's model for this rank on the meta device; its layers leave vLLM's forward context as found.
 
+    A constructor that reads a value of a tensor it made (vLLM's XIELU: ``beta.item()``) cannot run on the meta
+    device: that copy is built on the CPU instead (the same shapes, the tiny checkpoint's few MiB allocated). The
+    rank built the same model on the CPU a moment before, so any other error is the model's own."""
     from pytest_enginecheck.targets.vllm.probe import model_initializer
 
-    initialize_model = model_initializer()
-    context = vllm_config.compilation_config.static_forward_context
-    before = set(context)
     try:
-        with torch.device("meta"):
+        return _built_model(model_initializer(), vllm_config, "meta")
+    except NotImplementedError as e:
+        if "meta tensor" not in str(e):
+            raise
+        return _built_model(model_initializer(), vllm_config, "cpu")
+
+
+def _built_model(initialize_model: Any, vllm_config: Any, device: str) -> Any:
+    """The model built on ``device`` with a forward context of its own: its layers register there, not beside the
+    rank's (a model that names its layers without the prefix it is given, as Zamba2's mamba layers, would collide:
+    "Duplicate layer name: 1.mixer")."""
+    import torch
+
+    compilation = vllm_config.compilation_config
+    context = compilation.static_forward_context
+    compilation.static_forward_context = {}
+    try:
+        with torch.device(device):
             return initialize_model(vllm_config=vllm_config, prefix="enginecheck_meta")
     finally:
-        for name in set(context) - before:
-            del context[name]
+        compilation.static_forward_context = context
 
 
 def _bytes(tensors: Any) -> int:

@@ -21,8 +21,13 @@ MODEL_KINDS = {"_TEXT_GENERATION_MODELS": "text generation", "_MULTIMODAL_MODELS
                "_EMBEDDING_MODELS": "embedding", "_LATE_INTERACTION_MODELS": "late-interaction",
                "_REWARD_MODELS": "reward", "_TOKEN_CLASSIFICATION_MODELS": "token classification",
                "_SEQUENCE_CLASSIFICATION_MODELS": "sequence classification",
-               "_SPECULATIVE_DECODING_MODELS": "speculative-decoding draft"}
+               "_SPECULATIVE_DECODING_MODELS": "speculative-decoding draft",
+               # what vLLM's Transformers backend runs: text generation, multimodal, embedding and classification
+               # models in the same lists, so vLLM's ModelInfo says which each one is
+               "_TRANSFORMERS_SUPPORTED_MODELS": "transformers backend",
+               "_TRANSFORMERS_BACKEND_MODELS": "transformers backend"}
 GENERATING_KINDS = ("text generation", "multimodal")
+MIXED_KINDS = ("transformers backend",)  # lists of several kinds: decided by the ModelInfo, like an unlisted one
 
 
 class VllmUnavailable(Exception):

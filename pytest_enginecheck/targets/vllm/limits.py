@@ -1,0 +1,84 @@
+"""The checker's own limits that end a vLLM engine start on the tiny checkpoint: each recognized narrowly from the
+failure (its phase, its root exception and the frame that raised it), and told as the CheckSkip's reason.
+
+Only what is provably not the model's fault is here: a kernel or feature vLLM's CPU backend lacks, vLLM refusing
+the config.json the checker wrote with transformers, a config field vLLM's model reads from the hub checkpoint's
+schema that transformers' config class renamed. Anything else an engine start raises stays a failure.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from pytest_enginecheck.targets.vllm.failures import EngineFailure
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line \d+, in (?P<function>\S+)\n(?P<source>[^\n]*)', re.MULTILINE)
+
+# (the config class transformers wrote, the field vLLM's model reads) -> why the tiny config cannot have it
+SCHEMA_GAPS = {
+    ("MiMoV2FlashConfig", "hybrid_layer_pattern"):
+        "vLLM's mimo_v2.py reads the config schema of Xiaomi's hub checkpoint (hybrid_layer_pattern, moe_layer_freq, "
+        "swa_* fields), which transformers' MiMoV2FlashConfig replaced by layer_types and mlp_layer_types",
+}
+
+
+def _frames(failure: EngineFailure) -> list[tuple[str, str, str]]:
+    """(file, function, source line) of every frame of the failure's traceback, outermost first."""
+    return [(m["file"], m["function"], m["source"].strip()) for m in _FRAME.finditer(failure.traceback)]
+
+
+def _raised_in(failure: EngineFailure, under: str = "") -> tuple[str, str, str]:
+    """The frame that raised the root exception (the innermost of the first traceback Python prints of a chain), or
+    the innermost of its frames in a file whose path has ``under``."""
+    root = re.split(r"\n(?:The above exception was the direct cause|During handling of the above exception)",
+                    failure.traceback, maxsplit=1)[0]
+    frames = [(m["file"], m["function"], m["source"].strip()) for m in _FRAME.finditer(root) if under in m["file"]]
+    return frames[-1] if frames else ("", "", "")
+
+
+def _no_triton(failure: EngineFailure) -> str | None:
+    found = re.fullmatch(r"AttributeError: module 'triton' has no attribute '(\w+)'", failure.exception)
+    if not found:
+        return None
+    file, function, _ = _raised_in(failure, "vllm/model_executor/")
+    return (f"vLLM's CPU backend has no Triton (the installed triton has no CPU backend and no "
+            f"triton.{found[1]}), and the model's layers call it ({_short(file) or 'outside vllm.model_executor'} "
+            f"in {function or 'vLLM'})")
+
+
+def _cpu_moe_router(failure: EngineFailure) -> str | None:
+    file, function, source = _raised_in(failure)
+    if not (failure.exception == "AssertionError" and file.endswith("fused_moe/router/cpu_router.py")
+            and function == "_compute_routing" and source == 'assert self.scoring_func == "softmax"'):
+        return None
+    return ("vLLM's CPU MoE router (fused_moe/router/cpu_router.py) routes only softmax scores without grouped "
+            "top-k, and the model's router scores otherwise")
+
+
+def _config_unreadable(failure: EngineFailure) -> str | None:
+    if failure.phase != "config" or not any(file.endswith("vllm/transformers_utils/config.py")
+                                             and function == "get_config" for file, function, _ in _frames(failure)):
+        return None
+    return (f"vLLM cannot read the tiny config.json the checker wrote with transformers' config class "
+            f"(vllm.transformers_utils.config.get_config raised {failure.exception.splitlines()[0]})")
+
+
+def _schema_gap(failure: EngineFailure) -> str | None:
+    found = re.fullmatch(r"AttributeError: '(\w+)' object has no attribute '(\w+)'", failure.exception)
+    reason = SCHEMA_GAPS.get((found[1], found[2])) if found else None
+    return f"the tiny config has no {found[2]}: {reason}" if found and reason else None
+
+
+def _short(file: str) -> str:
+    return file.split("site-packages/", 1)[-1]
+
+
+LIMITS: tuple[Callable[[EngineFailure], str | None], ...] = (_no_triton, _cpu_moe_router, _config_unreadable,
+                                                              _schema_gap)
+
+
+def checker_limit(failure: EngineFailure) -> str | None:
+    """Why ``failure`` (vLLM's engine failing on the checker's own tiny checkpoint) is a limit of the checker, not
+    of the model; None when it is not one of LIMITS (then it is the model's failure)."""
+    return next((reason for limit in LIMITS if (reason := limit(failure))), None)

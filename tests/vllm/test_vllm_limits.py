@@ -1,0 +1,139 @@
+"""Issue 19: vLLM's engine failing on the checker's own tiny checkpoint is a skip only where the failure is provably a
+limit of the checker (targets/vllm/limits.py: a kernel vLLM's CPU backend lacks, ...); a model that raises while vLLM
+starts it stays a failure, and one vLLM cannot inspect fails its engine checks for the inspect check's cause."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
+
+PLUGIN = "enginecheck_limits"
+SOURCES = {
+    "eclm/__init__.py": '''\
+def register():
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model("EclmLayer1LoadRaisesForCausalLM", "eclm.models:EclmLayer1LoadRaisesForCausalLM")
+    ModelRegistry.register_model("EclmInspectRaisesForCausalLM", "eclm.models:EclmInspectRaisesForCausalLM")
+''',
+    "eclm/models.py": '''\
+from vllm.model_executor.models.llama import LlamaForCausalLM
+
+
+class EclmLayer1LoadRaisesForCausalLM(LlamaForCausalLM):
+    def load_weights(self, weights):
+        def checked(weights):
+            for name, weight in weights:
+                # The bug under test: layer 1's weights are refused while loading, layer 0's load.
+                if name.startswith("model.layers.1."):
+                    raise ValueError(f"eclm: cannot load {name}")
+                yield name, weight
+
+        return super().load_weights(checked(weights))
+
+
+class _Unbuilt:
+    def __get__(self, obj, owner):
+        raise RuntimeError("eclm: the pruning table is not built")
+
+
+class EclmInspectRaisesForCausalLM(LlamaForCausalLM):
+    supported_video_pruning_methods = _Unbuilt()  # read by vLLM's ModelInfo
+''',
+}
+
+
+@pytest.fixture(scope="module")
+def limits_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A site dir with one real plugin distribution registering the planted models above."""
+    site = tmp_path_factory.mktemp("vllm-limits-site")
+    for relative, text in SOURCES.items():
+        (site / relative).parent.mkdir(parents=True, exist_ok=True)
+        (site / relative).write_text(text)
+    info = site / "enginecheck_vllm_limits-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: enginecheck-vllm-limits\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN} = eclm:register\n")
+    return site
+
+
+def _in_site(site: str, fn: Callable[..., Any], *args: Any) -> Any:
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))
+    os.environ["VLLM_PLUGINS"] = PLUGIN
+    sys.path.insert(0, site)
+    importlib.invalidate_caches()
+    return fn(*args)
+
+
+@pytest.fixture
+def in_limits_child(limits_site: Path) -> Callable[..., Any]:
+    """Run ``fn(*args)`` in a warm check child that loads only the plugin above."""
+    from engine_ref.isolation import run_isolated
+
+    def run(fn: Callable[..., Any], *args: Any) -> Any:
+        return run_isolated(_in_site, str(limits_site), fn, *args, timeout=600.0)
+
+    return run
+
+
+def _outcome(check: str, workdir: str, architecture: str) -> tuple[str, str, dict[str, Any]]:
+    """``check`` of ``architecture`` at TP=1: (outcome, message, detail with the failure's cause)."""
+    from pytest_enginecheck.checks.causes import failure_cause
+    from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
+
+    ctx = CheckContext(check=check, spec="vllm", architecture=architecture, module="", class_name="",
+                       workdir=workdir, tp=1, timeout=300.0)
+    try:
+        return "passed", "", CHECK_FUNCTIONS[check](ctx)
+    except CheckSkip as e:
+        return "skipped", str(e), {}
+    except CheckFailure as e:
+        return "failed", e.message, {**e.detail, "cause": failure_cause(ctx, e.message, e.detail, e)}
+
+
+def test_a_kernel_vllms_cpu_backend_lacks_is_a_skip_naming_it(in_limits_child: Any, tmp_path: Path) -> None:
+    # OLMo hybrid's gated delta-net layer sets Triton's allocator, and vLLM's CPU backend has no Triton.
+    outcome, message, _ = in_limits_child(_outcome, "load", str(tmp_path), "OlmoHybridForCausalLM")
+    assert outcome == "skipped", message
+    assert message.startswith("vLLM's engine cannot run the checker's tiny checkpoint of OlmoHybridForCausalLM at "
+                              "tensor_parallel_size=1 in phase load_model: vLLM's CPU backend has no Triton (the "
+                              "installed triton has no CPU backend and no triton.set_allocator)"), message
+    assert "olmo_gdn_linear_attn.py" in message
+
+
+def test_a_model_that_raises_while_loading_layer_1_still_fails(in_limits_child: Any, tmp_path: Path) -> None:
+    outcome, message, detail = in_limits_child(_outcome, "load", str(tmp_path), "EclmLayer1LoadRaisesForCausalLM")
+    assert outcome == "failed", message
+    assert message.startswith("EclmLayer1LoadRaisesForCausalLM failed in phase load_model on rank 0 at "
+                              "tensor_parallel_size=1: ValueError: eclm: cannot load model.layers.1."), message
+    assert detail["cause"].startswith("ValueError: eclm: cannot load model.layers.1.")
+
+
+def test_an_inspection_error_fails_the_engine_checks_for_the_inspect_checks_cause(in_limits_child: Any,
+                                                                                 tmp_path: Path) -> None:
+    arch = "EclmInspectRaisesForCausalLM"
+    inspect, load = (in_limits_child(_outcome, check, str(tmp_path / check), arch) for check in ("inspect", "load"))
+    assert inspect[0] == load[0] == "failed", (inspect, load)
+    assert inspect[1].startswith("RuntimeError: eclm: the pruning table is not built (vLLM inspecting "), inspect[1]
+    assert load[1].startswith("vLLM cannot inspect the class, so no engine starts (the inspect check fails for it "
+                              "too): RuntimeError: eclm: the pruning table is not built"), load[1]
+    assert load[2]["cause"] == inspect[2]["cause"] == "RuntimeError: eclm: the pruning table is not built"
+
+
+def test_the_transformers_backend_lists_are_a_kind_decided_by_the_model_info() -> None:
+    from pytest_enginecheck.targets.vllm.probe import MIXED_KINDS, probe
+
+    api = probe()
+    backend = {arch for name in ("_TRANSFORMERS_SUPPORTED_MODELS", "_TRANSFORMERS_BACKEND_MODELS")
+               for arch in getattr(api.registry_module, name)}
+    assert len(backend) >= 30  # 32 in vLLM 0.32
+    assert {arch for arch, kind in api.model_kinds.items() if kind == "transformers backend"} == backend
+    assert MIXED_KINDS == ("transformers backend",)

@@ -1,0 +1,113 @@
+"""quant[METHOD,tp=N] on the vLLM target (issue 19 item 4): the checkpoint layout, planted scale bugs the local
+oracle must catch (plugin_dist's quant_scale and quant_shard), their clean twin, and the real families."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
+
+RUN_TIMEOUT_S = 1500
+
+
+def test_pack_int4_is_compressed_tensors_layout() -> None:
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from pytest_enginecheck.targets.vllm.quant import pack_int4
+
+    q = torch.randint(-8, 8, (64, 96), dtype=torch.int8)
+    assert torch.equal(pack_int4(q), pack_to_int32(q, 4, packed_dim=1))
+
+
+def test_quantization_config_is_compressed_tensors_own() -> None:
+    from compressed_tensors.quantization import QuantizationConfig
+
+    from pytest_enginecheck.targets.vllm.quant import METHODS
+
+    for scheme in METHODS.values():
+        config = QuantizationConfig.model_validate(scheme.quantization_config())
+        assert config.format == scheme.format and config.config_groups["group_0"].weights.num_bits in (4, 8)
+
+
+def _quant(workdir: str, architecture: str, method: str, tps: tuple[int, ...]) -> dict[int, Any]:
+    """quant[method,tp=N] of ``architecture`` from the test plugins, per TP size: the passing detail, or
+    (message, detail) of the failure, or ("skipped", reason)."""
+    import os
+
+    from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
+
+    os.environ["VLLM_PLUGINS"] = "clean,quant_scale,quant_shard"
+    results: dict[int, Any] = {}
+    for tp in tps:
+        ctx = CheckContext(check="quant", spec="vllm", architecture=architecture, module="", class_name="",
+                           workdir=workdir, tp=tp, quantization=method, timeout=300.0)
+        try:
+            results[tp] = CHECK_FUNCTIONS["quant"](ctx)
+        except CheckFailure as e:
+            results[tp] = (e.message, e.detail)
+        except CheckSkip as e:
+            results[tp] = ("skipped", str(e))
+    return results
+
+
+@pytest.mark.parametrize("method", ["int8", "w4a16"])
+def test_quant_tp1_names_layer1_down_proj_whose_scale_is_5_percent_off(in_child: Any, tmp_path: Any,
+                                                                     method: str) -> None:
+    results = in_child(_quant, str(tmp_path), "EctpQuantScaleForCausalLM", method, (1,), timeout=900.0)
+    assert isinstance(results[1], tuple), results
+    message, detail = results[1]
+    assert message.startswith(f"The {method} layer model.layers.1.mlp.down_proj of EctpQuantScaleForCausalLM at "
+                              f"tensor_parallel_size=1 (rank 0, "), message
+    assert "\n" not in message
+    worst = detail["differing"][0]
+    # 1.05 rounded into the dtype: bfloat16 holds 1.046875
+    assert len(detail["differing"]) == 1 and worst["ratio"] == pytest.approx(1.05, abs=4e-3), detail["differing"]
+
+
+@pytest.mark.parametrize("method", ["int8", "w4a16"])
+def test_quant_tp2_names_the_rank_whose_gate_proj_scale_is_sharded_wrongly(in_child: Any, tmp_path: Any,
+                                                                          method: str) -> None:
+    results = in_child(_quant, str(tmp_path), "EctpQuantShardForCausalLM", method, (1, 2), timeout=1200.0)
+    assert isinstance(results[1], dict) and results[1]["largest_local_error"] == 0.0, results[1]  # right at TP=1
+    assert isinstance(results[2], tuple), results[2]
+    message, detail = results[2]
+    assert message.startswith(f"The {method} layer model.layers.1.mlp.gate_up_proj of EctpQuantShardForCausalLM at "
+                              f"tensor_parallel_size=2 (rank 1, "), message
+    assert {(d["name"], d["rank"]) for d in detail["differing"]} == {("model.layers.1.mlp.gate_up_proj", 1)}
+
+
+def test_quant_on_llama_qwen2_and_mixtral(pytester: pytest.Pytester, tmp_path_factory: pytest.TempPathFactory,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """One --enginecheck session: Llama and Qwen2 pass every method at TP 1 and 2, every quantized layer bitwise
+    equal to deq(W)'s (Llama is also the planted models' clean twin: they subclass it); Mixtral's experts have no MoE
+    kernel for either scheme on vLLM's CPU backend, so its items skip with vLLM's reason."""
+    monkeypatch.setenv("VLLM_PLUGINS", "")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
+    report = pytester.path / "report.json"
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--enginecheck", "--enginecheck-target=vllm", "--enginecheck-checks=quant",
+        "--enginecheck-quant=int8,w4a16,fp8", "--enginecheck-timeout=600", f"--enginecheck-json={report}", "-rfs",
+        "-k", "(LlamaForCausalLM or Qwen2ForCausalLM or MixtralForCausalLM) and not eagle",
+        "--deselect", "enginecheck::LLaMAForCausalLM", timeout=RUN_TIMEOUT_S)  # -k ignores case: LLaMA is Llama
+    by_item = {(r["arch"], r["check"]): r for r in json.loads(Path(report).read_text())["results"]}
+    header = next(line for line in result.outlines if line.startswith("enginecheck: target=vllm"))
+    assert "quant[fp8] (vLLM" in header and "quant[fbgemm_fp8] (" in header, header
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM"):
+        for tp in (1, 2):
+            fp8 = by_item[arch, f"quant[fp8,tp={tp}]"]
+            assert fp8["outcome"] == "skipped" and "not offered by the vLLM target" in fp8["message"], fp8
+            for method in ("int8", "w4a16"):
+                item = by_item[arch, f"quant[{method},tp={tp}]"]
+                if arch == "MixtralForCausalLM":
+                    assert item["outcome"] == "skipped", item
+                    assert "cannot run MixtralForCausalLM's MoE experts quantized" in item["message"], item
+                    assert "MoE backend supports the deployment configuration" in item["message"], item
+                else:
+                    assert item["outcome"] == "passed", (item, result.stdout.str()[-3000:])
+                    assert item["detail"]["largest_local_error"] == 0.0, item
+                    assert len(item["detail"]["quantized_layers"]) == 8, item  # 2 layers x qkv, o, gate_up, down
