@@ -17,8 +17,8 @@ class CheckSpec:
     """One check: registration, item names, roots, the options' help and the README table derive from these.
 
     ``roots``: what a failure of it may repeat, of the same architecture: ``"import"`` (its module's import),
-    ``"build"`` (the import, then the build at TP=1, ``load[tp=1]``, and at its own TP size ``load[tp=N]``), or
-    nothing. It is folded into the first of them that failed for the same cause (``checks.causes``).
+    ``"build"`` (the import and the inspection, then the build at TP=1, ``load[tp=1]``, and at its own TP size
+    ``load[tp=N]``), or nothing. It is folded into the first of them that failed for the same cause (``checks.causes``).
     """
 
     name: str
@@ -148,7 +148,10 @@ def roots(ctx: CheckContext) -> tuple[str, ...]:
     """The item names (of the same architecture) whose failure causes this item's, in the order to blame them."""
     spec, name = SPECS[ctx.check], item_name(ctx)
     found = ("import",) if spec.roots else ()
-    if spec.roots != "build" or name == BUILD_ROOT:
+    if spec.roots != "build":
+        return found
+    found = (*found, "inspect")  # a class the registry cannot inspect is not built either (the same exception)
+    if name == BUILD_ROOT:
         return found
     tp = ctx.tp if spec.tp else max(ctx.tp_sizes)  # startup runs at the largest TP size
     same_tp = f"load[tp={tp}]"  # a build that fails only at TP=N: load[tp=N] names the layer

@@ -48,6 +48,7 @@ def test_item_names_and_roots_follow_the_spec(spec: object) -> None:
     assert item == {"quant": "quant[fp8,tp=2]", "load": "load[tp=2]", "budget": "budget[tp=2]",
                     "lora": "lora[tp=2]"}.get(name, name)
     expected = {"": (), "import": ("import",),
-                "build": ("import", "load[tp=1]", *(() if name == "load" else ("load[tp=2]",)))}[SPECS[name].roots]
+                "build": ("import", "inspect", "load[tp=1]", *(() if name == "load" else ("load[tp=2]",)))
+                }[SPECS[name].roots]
     assert roots(ctx) == expected
     assert (roots(ctx) == ()) == (name in ("plugins", "import")), "only the roots themselves have no root"

@@ -73,14 +73,14 @@ def test_load_runs_a_composite_model_on_text_prompts(in_child: Any, tmp_path: An
         assert detail["max_logprob_difference"] <= detail["logprob_tolerance"]
 
 
-def _import(workdir: str, architecture: str) -> Any:
+def _import(workdir: str, architecture: str, module: str) -> Any:
     import os
 
     from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
 
     os.environ["VLLM_PLUGINS"] = "clean"
-    ctx = CheckContext(check="import", spec="vllm", architecture=architecture, module="", class_name="",
-                       workdir=workdir)
+    ctx = CheckContext(check="import", spec="vllm", architecture=architecture, module=module,
+                       class_name=architecture, workdir=workdir)
     try:
         return CHECK_FUNCTIONS["import"](ctx)
     except CheckFailure as e:
@@ -93,7 +93,8 @@ def test_import_without_torchvision_says_why_it_is_missing(in_child: Any, tmp_pa
 
     if importlib.util.find_spec("torchvision") is not None or not importlib.metadata.version("torch").endswith("+cpu"):
         pytest.skip("needs the vllm tier's venv: torch's CPU build, torchvision uninstalled (.ci/vllm-venv)")
-    message, dependency = in_child(_import, str(tmp_path), "Qwen2VLForConditionalGeneration")
+    message, dependency = in_child(_import, str(tmp_path), "Qwen2VLForConditionalGeneration",
+                                   "vllm.model_executor.models.qwen2_vl")
     assert dependency == "torchvision"
     assert message.startswith("Importing vllm.model_executor.models.qwen2_vl failed: it imports 'torchvision', "
                               "which is not installed. torch here is the CPU build (2.")

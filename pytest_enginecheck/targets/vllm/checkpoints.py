@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 SEED = 0
+# A tiny checkpoint's ceiling (float32: 256 MiB); the tiny Llama has ~0.1M. More means a size field kept its full value.
+MAX_TINY_PARAMETERS = 64_000_000
 # Applied only where the config has the field; heads * head_dim == hidden_size keeps every family happy.
 TINY_SIZES: dict[str, Any] = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -193,6 +195,10 @@ def make_tiny_checkpoint(architecture: str, path: Path, model_cls: type | None =
 
     config = tiny_config(architecture, model_cls)
     config.dtype = torch.float32  # transformers' modeling code may read it as a torch.dtype (Apertus' xIELU)
+    too_large = _too_large(hf_class(architecture, model_cls), config)
+    if too_large:
+        raise NoTinyCheckpoint(f"the tiny config of {architecture} still makes {too_large}: a size field the shrink "
+                               f"rules do not know")
     torch.manual_seed(SEED)
     try:
         model = hf_class(architecture, model_cls)(config).to(torch.float32)
@@ -209,6 +215,25 @@ def make_tiny_checkpoint(architecture: str, path: Path, model_cls: type | None =
     saved.update({k: v for k, v in hub_fields(saved).items() if k not in saved})
     config_path.write_text(json.dumps(saved, indent=2))
     return path
+
+
+def _too_large(hf_cls: type, config: Any) -> str:
+    """What makes the model of ``config`` larger than MAX_TINY_PARAMETERS, counted on the meta device before anything
+    is allocated (a field the rules left at its full size would otherwise allocate gigabytes); "" when it fits, or
+    when the class cannot be built on the meta device (the real build then says what it says)."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            model = hf_cls(config)
+    except Exception:  # noqa: BLE001 - e.g. a constructor reading a tensor's value: judged by the real build
+        return ""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    total = sum(t.numel() for _, t in tensors)
+    if total <= MAX_TINY_PARAMETERS:
+        return ""
+    name, largest = max(tensors, key=lambda item: item[1].numel())
+    return f"{total / 1e6:.0f}M parameters and buffers (the largest: {name} {tuple(largest.shape)})"
 
 
 def hub_fields(saved: Mapping[str, Any]) -> dict[str, Any]:

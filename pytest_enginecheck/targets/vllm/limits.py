@@ -20,6 +20,9 @@ SCHEMA_GAPS = {
     ("MiMoV2FlashConfig", "hybrid_layer_pattern"):
         "vLLM's mimo_v2.py reads the config schema of Xiaomi's hub checkpoint (hybrid_layer_pattern, moe_layer_freq, "
         "swa_* fields), which transformers' MiMoV2FlashConfig replaced by layer_types and mlp_layer_types",
+    ("VoxtralEncoderConfig", "downsample_factor"):
+        "vLLM's voxtral.py reads audio_config.downsample_factor, which only vLLM's Mistral-format config adapter "
+        "(transformers_utils/configs/mistral.py) sets; transformers' VoxtralEncoderConfig has no such field",
 }
 
 
