@@ -104,7 +104,7 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setenv("TMPDIR", str(private_tmp))
     monkeypatch.setattr(tempfile, "tempdir", None)
-    before = ResourceSnapshot.take()
+    before = ResourceSnapshot.take(watch=True)
     started: list[Any] = []
 
     def start(model: str | os.PathLike[str], **kwargs: Any) -> Any:

@@ -7,8 +7,9 @@ import contextlib
 import ctypes
 import os
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def descendants(pid: int) -> set[int]:
@@ -77,6 +78,12 @@ def unowned_shm_entries(ours: set[int] | None = None) -> set[str]:
     ``psm_*``, multiprocessing's ``sem.mp-*``) is not this engine's leak; a leaked one is held by no one."""
     ours = {os.getpid(), *descendants(os.getpid())} if ours is None else ours
     entries = _inodes("/dev/shm")
+    held = _held_shm_inodes(ours)
+    return {name for name, inode in entries.items() if inode not in held}
+
+
+def _held_shm_inodes(ours: set[int]) -> set[int]:
+    """The inodes of the /dev/shm entries that a process outside ``ours`` holds open or mapped."""
     held: set[int] = set()  # by inode: glibc's sem_open maps a temp file and links it to its name afterwards, so
     for pid in (int(e) for e in os.listdir("/proc") if e.isdigit()):  # maps shows the temp name, never that one
         if pid in ours:
@@ -89,7 +96,40 @@ def unowned_shm_entries(ours: set[int] | None = None) -> set[str]:
                     held.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
         except (OSError, ValueError, IndexError):  # gone, or not ours to read
             continue
-    return {name for name, inode in entries.items() if inode not in held}
+    return held
+
+
+class ForeignShmWatch:
+    """While an engine runs: the /dev/shm entries that appeared and that a process outside this one's tree held at
+    some moment. Another program that creates a segment and leaves it unheld before the engine stops (vLLM's ranks
+    leaving by os._exit, torch's ``psm_*``) would otherwise read as this engine's leak; a segment only this tree
+    ever held, or one nobody was seen holding, stays ours. Polled every ``interval_s`` in a daemon thread, and
+    costs a /proc scan only when a new entry is there."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self._before = set(_inodes("/dev/shm").values())
+        self._foreign: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, args=(interval_s,), name="enginecheck-shm-watch",
+                                        daemon=True)
+        self._thread.start()
+
+    def _poll(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self.look()
+
+    def look(self) -> None:
+        """Record which of the entries new since the start a process outside this tree holds now."""
+        new = set(_inodes("/dev/shm").values()) - self._before - self._foreign
+        if new:
+            self._foreign |= new & _held_shm_inodes({os.getpid(), *descendants(os.getpid())})
+
+    def foreign(self) -> set[int]:
+        """Stop the polling, look once more and return the inodes seen held outside this tree."""
+        self._stop.set()
+        self._thread.join()
+        self.look()
+        return set(self._foreign)
 
 
 def _inodes(path: str) -> dict[str, int]:
@@ -117,13 +157,18 @@ class ResourceSnapshot:
     listening: frozenset[str]  # socket inodes of this process in LISTEN state
     temp_entries: frozenset[str]
     shm_entries: frozenset[str]
+    # of the snapshot taken before an engine runs: who else held the segments that appear meanwhile
+    shm_watch: ForeignShmWatch | None = field(default=None, compare=False)
 
     @classmethod
-    def take(cls) -> ResourceSnapshot:
+    def take(cls, watch: bool = False) -> ResourceSnapshot:
+        """What this process owns now; with ``watch``, the snapshot to compare the end of an engine's run with
+        (``leaked_since``): /dev/shm is watched from now on (ForeignShmWatch)."""
+        shm_watch = ForeignShmWatch() if watch else None
         fds = _fds()
         own_sockets = {target[8:-1] for target in fds.values() if target.startswith("socket:[")}
         return cls(frozenset(descendants(os.getpid())), fds, frozenset(own_sockets & _listening_inodes()),
-                   frozenset(temp_entries()), frozenset(unowned_shm_entries()))
+                   frozenset(temp_entries()), frozenset(unowned_shm_entries()), shm_watch)
 
     def leaked_since(self, before: ResourceSnapshot, ignore_regular_files: bool = False) -> list[str]:
         """Plain descriptions of what exists now but did not before.
@@ -142,8 +187,12 @@ class ResourceSnapshot:
             leaks.append(f"listening sockets (inodes {sorted(self.listening - before.listening)})")
         if self.temp_entries - before.temp_entries:
             leaks.append(f"temp entries {sorted(self.temp_entries - before.temp_entries)} in {tempfile.gettempdir()}")
-        if self.shm_entries - before.shm_entries:
-            leaks.append(f"shared-memory segments {sorted(self.shm_entries - before.shm_entries)} in /dev/shm")
+        new_shm = self.shm_entries - before.shm_entries
+        if new_shm and before.shm_watch is not None:
+            foreign, inodes = before.shm_watch.foreign(), _inodes("/dev/shm")
+            new_shm = {name for name in new_shm if inodes.get(name) not in foreign}
+        if new_shm:
+            leaks.append(f"shared-memory segments {sorted(new_shm)} in /dev/shm")
         return leaks
 
 
@@ -151,11 +200,15 @@ def wait_for_no_leaks(before: ResourceSnapshot, timeout_s: float = 3.0, ignore_r
                       ) -> list[str]:
     """Leaks still present after giving exiting children ``timeout_s`` to be reaped."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        leaks = ResourceSnapshot.take().leaked_since(before, ignore_regular_files)
-        if not leaks or time.monotonic() > deadline:
-            return leaks
-        time.sleep(0.05)
+    try:
+        while True:
+            leaks = ResourceSnapshot.take().leaked_since(before, ignore_regular_files)
+            if not leaks or time.monotonic() > deadline:
+                return leaks
+            time.sleep(0.05)
+    finally:
+        if before.shm_watch is not None:
+            before.shm_watch.foreign()  # stops its thread
 
 
 def watch_only_this_engine(workdir: str) -> None:

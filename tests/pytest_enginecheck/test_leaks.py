@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 
-from pytest_enginecheck.leaks import unowned_shm_entries
+from pytest_enginecheck.leaks import ResourceSnapshot, unowned_shm_entries, wait_for_no_leaks
 
 # A named POSIX semaphore made as multiprocessing makes its own: glibc's sem_open maps a temp file, then links it to
 # the name, so the holder's /proc/PID/maps names the temp file ("(deleted)"), never the semaphore's name.
@@ -38,3 +39,50 @@ def test_a_semaphore_another_process_holds_is_not_a_leak_until_it_is_gone(procs)
     finally:
         if os.path.exists(f"/dev/shm/{entry}"):
             os.unlink(f"/dev/shm/{entry}")
+
+
+# Another program, outside this process's tree (a new session whose parent has exited), that creates a segment,
+# holds it for a while and leaves it behind unheld: vLLM's ranks leaving by os._exit do this with their all-reduce
+# segments.
+FOREIGN = """
+import os, sys, time
+if os.fork():
+    os._exit(0)
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+time.sleep(0.5)
+os.close(fd)
+"""
+
+
+def _gone(path: str, seconds: float = 30.0) -> None:
+    """Wait until ``path`` exists and no process holds it (the foreign program is done with it)."""
+    deadline = time.monotonic() + seconds
+    while not (os.path.exists(path) and os.path.basename(path) in unowned_shm_entries(ours={os.getpid()})):
+        assert time.monotonic() < deadline, f"{path} was not created and released"
+        time.sleep(0.05)
+
+
+def test_a_segment_another_program_held_and_left_while_the_engine_ran_is_not_the_engines_leak() -> None:
+    path = f"/dev/shm/ec-test-foreign-{uuid.uuid4().hex[:8]}"
+    before = ResourceSnapshot.take(watch=True)
+    try:
+        subprocess.run([sys.executable, "-c", FOREIGN, path], check=True, start_new_session=True, timeout=60)
+        _gone(path)
+        assert wait_for_no_leaks(before, timeout_s=0.1) == []
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_a_segment_only_this_tree_held_is_a_leak_although_the_watch_ran() -> None:
+    path = f"/dev/shm/ec-test-own-{uuid.uuid4().hex[:8]}"
+    before = ResourceSnapshot.take(watch=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        time.sleep(0.3)  # seen by the watch while held, by this process
+        os.close(fd)
+        leaks = wait_for_no_leaks(before, timeout_s=0.1)
+        assert leaks == [f"shared-memory segments ['{os.path.basename(path)}'] in /dev/shm"], leaks
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)

@@ -31,7 +31,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     else:
         raise CheckSkip(f"no tensor_parallel_size of --enginecheck-tp={','.join(map(str, ctx.tp_sizes))} splits "
                         f"{ctx.architecture}: " + " ".join(reasons))
-    before = ResourceSnapshot.take()
+    before = ResourceSnapshot.take(watch=True)
     with start_engine(ctx, ckpt, tp) as llm:
         report = llm.startup_report
     unclean = [end for end in llm.engine.worker_exits if not end.clean]

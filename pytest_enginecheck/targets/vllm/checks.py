@@ -344,7 +344,7 @@ def run_startup(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
     watch_only_this_engine("/tmp" if os.path.isdir("/tmp") else ctx.workdir)
     private = os.environ["TMPDIR"]
     try:
-        before = ResourceSnapshot.take()
+        before = ResourceSnapshot.take(watch=True)
         run = _start(ctx, ckpt, tp, mode)
         leaks = wait_for_no_leaks(before, ignore_regular_files=True)
     finally:
