@@ -187,7 +187,7 @@ class ResourceSnapshot:
             leaks.append(f"listening sockets (inodes {sorted(self.listening - before.listening)})")
         if self.temp_entries - before.temp_entries:
             leaks.append(f"temp entries {sorted(self.temp_entries - before.temp_entries)} in {tempfile.gettempdir()}")
-        new_shm = self.shm_entries - before.shm_entries
+        new_shm = set(self.shm_entries - before.shm_entries)
         if new_shm and before.shm_watch is not None:
             foreign, inodes = before.shm_watch.foreign(), _inodes("/dev/shm")
             new_shm = {name for name in new_shm if inodes.get(name) not in foreign}
