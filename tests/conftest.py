@@ -27,6 +27,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                  [item for item in session.items if isinstance(item, pytest.Function)])
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Where the whole run ends (the xdist controller, or the one process without xdist): a background zoo session
+    still running is stopped, never left behind."""
+    if not hasattr(session.config, "workerinput"):
+        from tests.zoo_sessions import stop_unfinished
+
+        stop_unfinished(session.config._tmp_path_factory)  # type: ignore[attr-defined]
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """``tiny_checkpoint(arch, **make_checkpoint_kwargs) -> Path``, cached per arguments for the session.

@@ -10,6 +10,7 @@ once collection ends, the first worker starts each session a selected test needs
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib.util
 import json
@@ -95,6 +96,28 @@ def start_needed(tmp_path_factory: pytest.TempPathFactory, items: Iterable[pytes
                                           cwd=Path(__file__).parents[1], env=env, stdout=log,
                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
             (run_dir / "runner.pid").write_text(str(runner.pid))
+
+
+def stop_unfinished(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Kill, with their process trees, the background sessions of this test run that have not finished (the run
+    stopped early: ``-x``, a failure in collection, Ctrl-C); called once the whole run ends. Returns their names."""
+    import psutil
+
+    stopped = []
+    for pid_file in shared_dir(tmp_path_factory).glob("zoo-session-*/runner.pid"):
+        if (pid_file.parent / "session.json").exists():
+            continue
+        try:
+            runner = psutil.Process(int(pid_file.read_text()))
+            tree = [runner, *runner.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for process in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(tree, timeout=10)
+        stopped.append(pid_file.parent.name)
+    return stopped
 
 
 def zoo_session(tmp_path_factory: pytest.TempPathFactory, name: str, *args: str,
