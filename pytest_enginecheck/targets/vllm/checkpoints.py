@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -290,20 +290,30 @@ def _one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def tiny_checkpoint(architecture: str, workdir: str, model_cls: type | None = None) -> Path:
-    """The architecture's tiny checkpoint under ``workdir``, made once (atomically, so xdist workers share it)."""
-    path = Path(workdir) / CHECKPOINTS_DIR / architecture
-    if (path / "config.json").exists():
+def made_once(path: Path, marker: str, make: Callable[[Path], object]) -> Path:
+    """``path``, made by ``make(dir)`` in a temp dir beside it and renamed into place, once: the processes of a
+    session (pytest-xdist workers, check children) share it, the first rename wins, and ``path / marker`` exists
+    only when it is whole."""
+    if (path / marker).exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{architecture}-"))
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
     try:
-        with _one_torch_thread():
-            make_tiny_checkpoint(architecture, tmp, model_cls)
+        make(tmp)
         os.replace(tmp, path)
     except OSError:  # another process of this session made it first
-        if not (path / "config.json").exists():
+        if not (path / marker).exists():
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def tiny_checkpoint(architecture: str, workdir: str, model_cls: type | None = None) -> Path:
+    """The architecture's tiny checkpoint under ``workdir``, made once (``made_once``)."""
+
+    def make(tmp: Path) -> None:
+        with _one_torch_thread():
+            make_tiny_checkpoint(architecture, tmp, model_cls)
+
+    return made_once(Path(workdir) / CHECKPOINTS_DIR / architecture, "config.json", make)

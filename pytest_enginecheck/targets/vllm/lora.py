@@ -21,9 +21,6 @@ attention only (Mixtral).
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -109,21 +106,11 @@ def make_adapter(ckpt: str, architecture: str, model_cls: type, path: Path) -> l
 
 
 def tiny_adapter(ctx: CheckContext, ckpt: str, model_cls: type) -> Path:
-    """The architecture's tiny adapter under the session's workdir, made once (atomically: xdist workers share it)."""
-    path = Path(ctx.workdir) / "vllm-lora" / ctx.architecture
-    if (path / "adapter_config.json").exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{ctx.architecture}-"))
-    try:
-        make_adapter(ckpt, ctx.architecture, model_cls, tmp)
-        os.replace(tmp, path)
-    except OSError:  # another process of this session made it first
-        if not (path / "adapter_config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    """The architecture's tiny adapter under the session's workdir, made once (``checkpoints.made_once``)."""
+    from pytest_enginecheck.targets.vllm.checkpoints import made_once
+
+    return made_once(Path(ctx.workdir) / "vllm-lora" / ctx.architecture, "adapter_config.json",
+                     lambda tmp: make_adapter(ckpt, ctx.architecture, model_cls, tmp))
 
 
 def oracle_difference(ckpt: str, architecture: str, model_cls: type, adapter: Path | None,

@@ -201,24 +201,17 @@ def _in_fork(fn: Callable[..., Any], *args: Any) -> None:
 
 
 def quantized_checkpoints(source: Path, method: str, workdir: str) -> tuple[Path, Path]:
-    """The pre-quantized and the dequantized twin of ``source`` under ``workdir``, made once (atomically)."""
-    base = Path(workdir) / "vllm-quant" / f"{source.name}-{method}"
-    quantized, dequantized = base / "quantized", base / "dequantized"
-    if (dequantized / "config.json").exists():
-        return quantized, dequantized
-    base.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=base.parent, prefix=f".{base.name}-"))
-    try:
+    """The pre-quantized and the dequantized twin of ``source`` under ``workdir``, made once
+    (``checkpoints.made_once``)."""
+    from pytest_enginecheck.targets.vllm.checkpoints import made_once
+
+    def make(tmp: Path) -> None:
         (tmp / "quantized").mkdir()
         (tmp / "dequantized").mkdir()
         _in_fork(make_quantized_checkpoints, source, METHODS[method], tmp / "quantized", tmp / "dequantized")
-        os.replace(tmp, base)
-    except OSError:  # another process of this session made it first
-        if not (dequantized / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return quantized, dequantized
+
+    base = made_once(Path(workdir) / "vllm-quant" / f"{source.name}-{method}", "dequantized/config.json", make)
+    return base / "quantized", base / "dequantized"
 
 
 # The local oracle's inputs: each row integers in [-127, 127] times 2^-7, its largest |value| exactly 127 * 2^-7.
