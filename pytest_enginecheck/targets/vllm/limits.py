@@ -31,11 +31,12 @@ def _frames(failure: EngineFailure) -> list[tuple[str, str, str]]:
     return [(m["file"], m["function"], m["source"].strip()) for m in _FRAME.finditer(failure.traceback)]
 
 
-def _raised_in(failure: EngineFailure, under: str = "") -> tuple[str, str, str]:
-    """The frame that raised the root exception (the innermost of the first traceback Python prints of a chain), or
-    the innermost of its frames in a file whose path has ``under``."""
+def raised_in(traceback: str, under: str = "") -> tuple[str, str, str]:
+    """(file, function, source line) of the frame of ``traceback`` that raised the root exception (the innermost of
+    the first traceback Python prints of a chain), or the innermost of its frames in a file whose path has
+    ``under``."""
     root = re.split(r"\n(?:The above exception was the direct cause|During handling of the above exception)",
-                    failure.traceback, maxsplit=1)[0]
+                    traceback, maxsplit=1)[0]
     frames = [(m["file"], m["function"], m["source"].strip()) for m in _FRAME.finditer(root) if under in m["file"]]
     return frames[-1] if frames else ("", "", "")
 
@@ -44,14 +45,14 @@ def _no_triton(failure: EngineFailure) -> str | None:
     found = re.fullmatch(r"AttributeError: module 'triton' has no attribute '(\w+)'", failure.exception)
     if not found:
         return None
-    file, function, _ = _raised_in(failure, "vllm/model_executor/")
+    file, function, _ = raised_in(failure.traceback, "vllm/model_executor/")
     return (f"vLLM's CPU backend has no Triton (the installed triton has no CPU backend and no "
             f"triton.{found[1]}), and the model's layers call it ({_short(file) or 'outside vllm.model_executor'} "
             f"in {function or 'vLLM'})")
 
 
 def _cpu_moe_router(failure: EngineFailure) -> str | None:
-    file, function, source = _raised_in(failure)
+    file, function, source = raised_in(failure.traceback)
     if not (failure.exception == "AssertionError" and file.endswith("fused_moe/router/cpu_router.py")
             and function == "_compute_routing" and source == 'assert self.scoring_func == "softmax"'):
         return None

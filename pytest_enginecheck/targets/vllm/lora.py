@@ -154,14 +154,13 @@ def moe_lora_limit(failure: CheckFailure) -> str | None:
     picks the Triton MoE experts whatever the model (fused_moe/oracle/unquantized.py: ``is_lora_enabled`` ->
     TRITON), and its CPU backend has no Triton: recognized by the root exception (an AttributeError of a missing
     ``triton.language`` attribute) raised in triton_moe.py itself."""
-    from pytest_enginecheck.targets.vllm.failures import EngineFailure
-    from pytest_enginecheck.targets.vllm.limits import _raised_in
+    from pytest_enginecheck.targets.vllm.limits import raised_in
 
     trace = str(failure.detail.get("traceback", ""))
     if failure.detail.get("kind") != "engine" or "AttributeError: module 'triton.language' has no attribute" not in \
             failure.message.split("\n", 1)[0]:
         return None
-    file, _, _ = _raised_in(EngineFailure("", 0, "", "", trace))
+    file, _, _ = raised_in(trace)
     if not file.endswith(TRITON_MOE):
         return None
     return ("with enable_lora, vLLM's fused MoE layers run the Triton experts kernel (fused_moe/experts/"
