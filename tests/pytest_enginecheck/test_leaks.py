@@ -9,7 +9,18 @@ import sys
 import time
 import uuid
 
+import pytest
+
 from pytest_enginecheck.leaks import ResourceSnapshot, unowned_shm_entries, wait_for_no_leaks
+
+
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A temp dir of this test's own, as the engine checks take one (``watch_only_this_engine``): the shared one
+    also receives other xdist workers' entries while the test waits, which are not what these tests are about."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 # A named POSIX semaphore made as multiprocessing makes its own: glibc's sem_open maps a temp file, then links it to
 # the name, so the holder's /proc/PID/maps names the temp file ("(deleted)"), never the semaphore's name.
@@ -62,7 +73,7 @@ def _gone(path: str, seconds: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def test_a_segment_another_program_held_and_left_while_the_engine_ran_is_not_the_engines_leak() -> None:
+def test_a_segment_another_program_held_and_left_while_the_engine_ran_is_not_the_engines_leak(private_tmp) -> None:
     path = f"/dev/shm/ec-test-foreign-{uuid.uuid4().hex[:8]}"
     before = ResourceSnapshot.take(watch=True)
     try:
@@ -74,7 +85,7 @@ def test_a_segment_another_program_held_and_left_while_the_engine_ran_is_not_the
             os.unlink(path)
 
 
-def test_a_segment_only_this_tree_held_is_a_leak_although_the_watch_ran() -> None:
+def test_a_segment_only_this_tree_held_is_a_leak_although_the_watch_ran(private_tmp) -> None:
     path = f"/dev/shm/ec-test-own-{uuid.uuid4().hex[:8]}"
     before = ResourceSnapshot.take(watch=True)
     try:
