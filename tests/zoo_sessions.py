@@ -39,9 +39,13 @@ ROOT_CAUSES = ("--enginecheck-target=zoo.root_causes:REGISTRY",
 PLANTED = ("--enginecheck-target=zoo.planted:REGISTRY",
            "--enginecheck-checks=import,inspect,load,budget,startup,quant", "--enginecheck-quant=int8")
 
+# The quantization bugs of zoo.quant_bugs beside its clean twin, every method at TP 1 and 2 (test_quant_check).
+QUANT = ("--enginecheck-target=zoo.quant_bugs:REGISTRY", "--enginecheck-checks=quant",
+         "--enginecheck-quant=int8,fp8", "--enginecheck-tp=1,2")
+
 
 # The sessions a module can name in its ZOO_SESSIONS: name -> arguments.
-SESSIONS: dict[str, tuple[str, ...]] = {"root-causes": ROOT_CAUSES, "planted": PLANTED}
+SESSIONS: dict[str, tuple[str, ...]] = {"root-causes": ROOT_CAUSES, "planted": PLANTED, "quant": QUANT}
 TIMEOUT = 900  # seconds a session may run
 
 # The same environment whichever test asks first: no engine_ref plugin loaded.

@@ -63,10 +63,12 @@ def published(name: str) -> Path:
 @cache
 def published_estimate(name: str, layers: int | None = None) -> MemoryEstimate:
     """The estimate of a published config at TP=2 on an 80 GiB device (computed once per session); ``layers``:
-    with that many decoder layers instead of the published number (the estimate's time grows with the layers)."""
+    with that many decoder layers instead of the published number (the estimate's time grows with the layers).
+    Its tests read parameters and bytes, so its profile batch is one sequence (a fake run's time grows with the
+    number of sequences)."""
     config = published_config(name, layers)
     return estimate_memory(config, device_memory="80GiB", tensor_parallel_size=2, dtype="bfloat16",
-                           max_model_len=1024)
+                           max_model_len=1024, max_num_batched_tokens=1024)
 
 
 def published_config(name: str, layers: int | None = None) -> dict[str, Any]:
@@ -227,7 +229,9 @@ def test_random_configs_exact_against_transformers_and_sharding(draw: dict[str, 
         "vocab_size": draw["vocab_size"], "tie_word_embeddings": draw["tie_word_embeddings"],
         "max_position_embeddings": 64,
     }
-    estimate = estimate_memory(config, device_memory="64MiB", tensor_parallel_size=tp, max_model_len=32)
+    # parameters and bytes only: a profile batch of one sequence (the default would run 64 of 32 tokens)
+    estimate = estimate_memory(config, device_memory="64MiB", tensor_parallel_size=tp, max_model_len=32,
+                               max_num_batched_tokens=32)
     hf_config = transformers.AutoConfig.for_model(**config)
     with torch.device("meta"):
         hf = getattr(transformers, config["architectures"][0])(hf_config)

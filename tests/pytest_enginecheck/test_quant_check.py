@@ -1,91 +1,22 @@
 """``pytest --enginecheck`` runs ``quant[METHOD,tp=N]``: it passes a correct model for every method, fails a
 scale 5 % off in one weight of layer 1 (zoo.planted_quant), a scale sharded wrongly and a layer computing with
-its raw 8-bit weight (against the dequantized-weight oracle, naming the weight or saying none differs), skips
-an architecture without SupportsQuant, and its items are columns of the summary table. One subprocess run,
-shared by the tests, read item by item from its JSON report.
+its raw 8-bit weight (zoo.quant_bugs; against the dequantized-weight oracle, naming the weight or saying none
+differs), skips an architecture without SupportsQuant, and its items are columns of the summary table. One
+session, shared by the tests, read item by item from its JSON report.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ZOO = Path(__file__).parents[1] / "plugin_zoo"
+from tests.zoo_sessions import QUANT, zoo_session
 
-QUANT_ZOO = '''
-"""Quantization bugs a model author can make, in a registry of their own."""
-
-import torch.nn.functional as F
-
-from engine_ref.model_executor.layers.linear import MergedColumnParallelLinear, _load_rows
-from engine_ref.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from engine_ref.model_executor.model_loader.weight_utils import check_shape
-from engine_ref.model_executor.models.registry import _ModelRegistry
-
-
-class RankZeroScaleLinear(MergedColumnParallelLinear):
-    """The bug: a per-channel weight_scale ([rows, 1]) is read from rank 0's rows on every rank."""
-
-    def weight_loader(self, param, loaded, shard_id=None):
-        if param.dim() == 2 and param.shape[1] == 1:
-            check_shape(loaded.name, loaded, param.checkpoint_shapes[shard_id])
-            offset, size, _ = self.output_shard(shard_id)
-            _load_rows(param, loaded, 0, offset, size, 0)
-        else:
-            super().weight_loader(param, loaded, shard_id)
-
-
-class RankZeroScaleMLP(LlamaMLP):
-    def __init__(self, hidden_size, intermediate_size, hidden_act="silu", bias=False, quant_config=None, prefix=""):
-        super().__init__(hidden_size, intermediate_size, hidden_act, bias, quant_config, prefix)
-        self.gate_up_proj = RankZeroScaleLinear(hidden_size, [intermediate_size] * 2, bias=bias,
-                                                quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
-
-
-class RankZeroScaleDecoderLayer(LlamaDecoderLayer):
-    def make_mlp(self, config, layer_idx):
-        return RankZeroScaleMLP(config.hidden_size, config.intermediate_size, quant_config=self.quant_config,
-                                prefix=f"{self.prefix}.mlp")
-
-
-class RankZeroScaleLlamaForCausalLM(LlamaForCausalLM):
-    decoder_layer_cls = RankZeroScaleDecoderLayer
-
-
-class RawWeightMLP(LlamaMLP):
-    """The bug: gate_up_proj's weight is used directly, bypassing its quant method (and so its scale)."""
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(F.linear(x, self.gate_up_proj.weight.to(x.dtype))))
-
-
-class RawWeightDecoderLayer(LlamaDecoderLayer):
-    def make_mlp(self, config, layer_idx):
-        return RawWeightMLP(config.hidden_size, config.intermediate_size, quant_config=self.quant_config,
-                            prefix=f"{self.prefix}.mlp")
-
-
-class RawWeightLlamaForCausalLM(LlamaForCausalLM):
-    decoder_layer_cls = RawWeightDecoderLayer
-
-
-REGISTRY = _ModelRegistry({})
-REGISTRY.register_model("CleanTwinLlamaForCausalLM", "zoo.planted_clean:CleanTwinLlamaForCausalLM")
-REGISTRY.register_model("QuantScaleLlamaForCausalLM", "zoo.planted_quant:QuantScaleLlamaForCausalLM")
-REGISTRY.register_model("LlavaForConditionalGeneration",
-                        "engine_ref.model_executor.models.llava:LlavaForConditionalGeneration")
-REGISTRY.register_model("RankZeroScaleLlamaForCausalLM", "quant_zoo:RankZeroScaleLlamaForCausalLM")
-REGISTRY.register_model("RawWeightLlamaForCausalLM", "quant_zoo:RawWeightLlamaForCausalLM")
-'''
-
-
+# the fixture that reads a shared zoo session -> its name (started early: tests/zoo_sessions.py)
+ZOO_SESSIONS = {"quant_run": "quant"}
 METHODS = ("int8", "fp8")  # fbgemm_fp8 (per-channel fp8) is int8's layout in fp8: engine_ref tests it
+assert QUANT[2] == f"--enginecheck-quant={','.join(METHODS)}"
 ITEMS = tuple(f"quant[{m},tp={tp}]" for m in METHODS for tp in (1, 2))
 ARCHS = ("CleanTwinLlamaForCausalLM", "LlavaForConditionalGeneration", "QuantScaleLlamaForCausalLM",
          "RankZeroScaleLlamaForCausalLM", "RawWeightLlamaForCausalLM")
@@ -93,19 +24,10 @@ ARCHS = ("CleanTwinLlamaForCausalLM", "LlavaForConditionalGeneration", "QuantSca
 
 @pytest.fixture(scope="module")
 def quant_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[tuple[str, str], dict[str, Any]]]:
-    """``pytest --enginecheck --enginecheck-checks=quant --enginecheck-quant=int8,fp8`` over the quant
-    zoo, in a subprocess: (its stdout, its results by (architecture, item))."""
-    run_dir = tmp_path_factory.mktemp("quant-zoo")
-    (run_dir / "quant_zoo.py").write_text(QUANT_ZOO)
-    report = run_dir / "report.json"
-    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--enginecheck",
-                          "--enginecheck-target=quant_zoo:REGISTRY", "--enginecheck-checks=quant",
-                          f"--enginecheck-quant={','.join(METHODS)}", "--enginecheck-tp=1,2",
-                          f"--enginecheck-json={report}"],
-                         cwd=run_dir, capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "ENGINE_REF_PLUGINS": "", "PYTHONPATH": f"{run_dir}{os.pathsep}{ZOO}"})
-    assert report.exists(), out.stdout + out.stderr
-    return out.stdout, {(r["arch"], r["check"]): r for r in json.loads(report.read_text())["results"]}
+    """``pytest --enginecheck --enginecheck-checks=quant --enginecheck-quant=int8,fp8`` over zoo.quant_bugs (a
+    shared zoo session, started in the background): (its stdout, its results by (architecture, item))."""
+    session = zoo_session(tmp_path_factory, "quant", *QUANT)
+    return session.stdout, session.results
 
 
 def test_a_correct_model_passes(quant_run: tuple[str, dict[tuple[str, str], dict[str, Any]]]) -> None:
