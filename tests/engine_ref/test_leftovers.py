@@ -122,26 +122,32 @@ def one_more_start(engine_script: Path, model: Path, tmp: Path, procs: list[subp
     assert proc.returncode == 0, stderr[-3000:]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-@pytest.mark.parametrize("when", ["before READY", "after READY"])
+# Every (when, signal) pair, killed one after the other in one temp dir: each case's start is the previous case's
+# next start (it must sweep what the killed one left), and one last start sweeps the last case's.
+KILLS = [(when, sig) for when in ("before READY", "after READY") for sig in (signal.SIGKILL, signal.SIGTERM)]
+
+
 def test_an_engine_parent_killed_leaves_nothing_after_the_next_start(
-        tiny_checkpoint: Callable[..., Path], engine_script: Path, tmp: Path, procs: list[subprocess.Popen[str]],
-        when: str, sig: signal.Signals) -> None:
+        tiny_checkpoint: Callable[..., Path], engine_script: Path, tmp: Path,
+        procs: list[subprocess.Popen[str]]) -> None:
     with fault_models.registered() as arch:
         hangs = tiny_checkpoint(arch, overrides=fault_overrides("hang", "init"))  # rank 1 never gets READY
     llama = tiny_checkpoint("LlamaForCausalLM")
-    proc = popen([sys.executable, str(engine_script), str(hangs if when == "before READY" else llama), "hold"],
-                 tmp, procs)
-    read_line(proc, "starting", timeout=60)
-    if when == "before READY":
-        wait_until(lambda: list(tmp.glob(f"{PREFIX}{proc.pid}-*/mp-*/store")), 60, "the rendezvous store")
-    else:
-        read_line(proc, "ready", timeout=60)
-    kill(proc, sig)
-    left = ours(tmp)
-    assert [name.split("-")[:2] for name in left] == [["engine_ref", str(proc.pid)]], left
-    assert list((tmp / left[0]).glob("pymp-*")), "multiprocessing's directory is inside the owner's"
-    assert bool(list((tmp / left[0]).glob("mp-*/store"))) == (when == "before READY")
+    for when, sig in KILLS:
+        case = f"killed by {sig.name} {when}"
+        proc = popen([sys.executable, str(engine_script), str(hangs if when == "before READY" else llama), "hold"],
+                     tmp, procs)
+        read_line(proc, "starting", timeout=60)
+        if when == "before READY":
+            store = f"{PREFIX}{proc.pid}-*/mp-*/store"
+            wait_until(lambda pattern=store: bool(list(tmp.glob(pattern))), 60, "the rendezvous store")
+        else:
+            read_line(proc, "ready", timeout=60)
+        kill(proc, sig)
+        left = ours(tmp)  # this owner's directory alone: its start swept the previous case's
+        assert [name.split("-")[:2] for name in left] == [["engine_ref", str(proc.pid)]], (case, left)
+        assert list((tmp / left[0]).glob("pymp-*")), f"{case}: multiprocessing's directory is inside the owner's"
+        assert bool(list((tmp / left[0]).glob("mp-*/store"))) == (when == "before READY"), case
     one_more_start(engine_script, llama, tmp, procs)
     assert ours(tmp) == []
 
