@@ -9,6 +9,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -109,6 +110,7 @@ class ForeignShmWatch:
     def __init__(self, interval_s: float = 0.05) -> None:
         self._before = set(_inodes("/dev/shm").values())
         self._foreign: set[int] = set()
+        self._looking = threading.Lock()  # held while a look has /proc files open
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, args=(interval_s,), name="enginecheck-shm-watch",
                                         daemon=True)
@@ -120,9 +122,17 @@ class ForeignShmWatch:
 
     def look(self) -> None:
         """Record which of the entries new since the start a process outside this tree holds now."""
-        new = set(_inodes("/dev/shm").values()) - self._before - self._foreign
-        if new:
-            self._foreign |= new & _held_shm_inodes({os.getpid(), *descendants(os.getpid())})
+        with self._looking:
+            new = set(_inodes("/dev/shm").values()) - self._before - self._foreign
+            if new:
+                self._foreign |= new & _held_shm_inodes({os.getpid(), *descendants(os.getpid())})
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No look while the block runs: a snapshot of this process's file descriptors taken in it does not see
+        the /proc files a look holds open."""
+        with self._looking:
+            yield
 
     def foreign(self) -> set[int]:
         """Stop the polling, look once more and return the inodes seen held outside this tree."""
@@ -164,8 +174,8 @@ class ResourceSnapshot:
     def take(cls, watch: bool = False) -> ResourceSnapshot:
         """What this process owns now; with ``watch``, the snapshot to compare the end of an engine's run with
         (``leaked_since``): /dev/shm is watched from now on (ForeignShmWatch)."""
+        fds = _fds()  # before the watch starts: its looks hold /proc files open
         shm_watch = ForeignShmWatch() if watch else None
-        fds = _fds()
         own_sockets = {target[8:-1] for target in fds.values() if target.startswith("socket:[")}
         return cls(frozenset(descendants(os.getpid())), fds, frozenset(own_sockets & _listening_inodes()),
                    frozenset(temp_entries()), frozenset(unowned_shm_entries()), shm_watch)
@@ -202,7 +212,9 @@ def wait_for_no_leaks(before: ResourceSnapshot, timeout_s: float = 3.0, ignore_r
     deadline = time.monotonic() + timeout_s
     try:
         while True:
-            leaks = ResourceSnapshot.take().leaked_since(before, ignore_regular_files)
+            with before.shm_watch.paused() if before.shm_watch is not None else contextlib.nullcontext():
+                after = ResourceSnapshot.take()
+            leaks = after.leaked_since(before, ignore_regular_files)
             if not leaks or time.monotonic() > deadline:
                 return leaks
             time.sleep(0.05)
