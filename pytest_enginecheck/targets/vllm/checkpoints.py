@@ -3,7 +3,8 @@
 The architecture's transformers class gives its config class; the config is built with every size
 shrunk (``TINY_SIZES``: head_dim 32, since vLLM's CPU attention rejects 16), the model is built with
 random weights under a fixed seed and saved in HF layout with safetensors. An architecture with no
-transformers class, or whose config refuses the tiny sizes, raises NoTinyCheckpoint with the reason.
+transformers class gets its config class from vLLM and its weights from vLLM's model (vllm_weights.py); one whose
+config refuses the tiny sizes, or for which neither way works, raises NoTinyCheckpoint with the reason.
 """
 
 from __future__ import annotations
@@ -164,15 +165,17 @@ def tiny_config(architecture: str, model_cls: type | None = None) -> Any:
     return config
 
 
-def tiny_text_config(config_cls: type, defaults: Any) -> Any:
-    """A text decoder's config class with TINY_SIZES applied; ``defaults`` is its default config."""
+def tiny_text_config(config_cls: type, defaults: Any, more_sizes: Mapping[str, Any] | None = None) -> Any:
+    """A text decoder's config class with TINY_SIZES applied; ``defaults`` is its default config. ``more_sizes``:
+    sizes of other fields, applied where the config has them (vLLM's own configs' names: vllm_weights.py)."""
     names = (*TINY_SIZES, "num_heads", "expand", "n_groups", "attention_hidden_size")
     fields = {k: v for k in names if (v := _default(defaults, k)) is not _MISSING}
     if "layer_types" in defaults.to_dict():
         fields["layer_types"] = defaults.layer_types
     # Never set a read-only property; where a field refuses None (an int-typed sliding_window), keep its default.
     aliases = getattr(config_cls, "attribute_map", None) or {}
-    sizes = {k: v for k, v in tiny_sizes(fields).items() if not _read_only(config_cls, aliases.get(k, k))
+    more = {k: v for k, v in (more_sizes or {}).items() if _default(defaults, k) is not _MISSING}
+    sizes = {k: v for k, v in {**tiny_sizes(fields), **more}.items() if not _read_only(config_cls, aliases.get(k, k))
              and (v is not None or _admits_none(config_cls, aliases.get(k, k)))}
     if aliases.get("head_dim") == "qk_rope_head_dim":
         # MLA whose ``head_dim`` is the rope part (GLM-4.7-Flash): vLLM's MLA backends take only the head sizes of
@@ -193,6 +196,12 @@ def make_tiny_checkpoint(architecture: str, path: Path, model_cls: type | None =
 
     from pytest_enginecheck.targets.vllm import composite
 
+    try:
+        hf_class(architecture, model_cls)
+    except NoTinyCheckpoint as no_class:  # no transformers class: vLLM's config class, weights from vLLM's model
+        from pytest_enginecheck.targets.vllm import vllm_weights
+
+        return vllm_weights.make_vllm_checkpoint(architecture, path, model_cls, reason=str(no_class))
     config = tiny_config(architecture, model_cls)
     config.dtype = torch.float32  # transformers' modeling code may read it as a torch.dtype (Apertus' xIELU)
     too_large = _too_large(hf_class(architecture, model_cls), config)

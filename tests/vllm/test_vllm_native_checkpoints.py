@@ -1,0 +1,99 @@
+"""Tiny checkpoints written from vLLM's side (targets/vllm/vllm_weights.py) for architectures transformers has no
+class for: vLLM's engine loads them and runs ``load[tp=1]``; a written tensor the model does not consume is a
+NoTinyCheckpoint naming it; a config only remote code defines is a NoTinyCheckpoint saying so."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pytest_enginecheck.checks import CheckContext, CheckFailure
+
+# Configs of vLLM's own config registry (ChatGLM, Step3p5) and one transformers names otherwise (PhiMoE: phimoe);
+# dense, MoE with per-expert checkpoint tensors, fused QKV.
+NATIVE = ["ChatGLMModel", "PhiMoEForCausalLM", "Step3p5ForCausalLM"]
+# A name vLLM's AutoWeightsLoader skips without a word (rotary caches some checkpoints carry): written, never consumed.
+UNCONSUMED = "transformer.encoder.layers.0.self_attention.rotary_emb.inv_freq"
+
+
+def _load(workdir: str, architecture: str) -> Any:
+    import os
+
+    from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
+
+    os.environ["VLLM_PLUGINS"] = "clean"  # not the test site's raising plugins (tests/vllm/plugin_dist.py)
+
+    ctx = CheckContext(check="load", spec="vllm", architecture=architecture, module="", class_name="",
+                       workdir=workdir, tp=1, budget_memory="512MiB", timeout=300.0)
+    try:
+        return CHECK_FUNCTIONS["load"](ctx)
+    except CheckFailure as e:
+        return e.message
+
+
+@pytest.mark.parametrize("architecture", NATIVE)
+def test_load_tp1_runs_vllms_engine_on_a_checkpoint_written_from_vllms_side(in_child: Any, tmp_path: Any,
+                                                                            architecture: str) -> None:
+    import json
+
+    from pytest_enginecheck.targets.vllm.checkpoints import CHECKPOINTS_DIR
+
+    detail = in_child(_load, str(tmp_path), architecture)
+    assert isinstance(detail, dict), detail
+    assert detail["tensor_parallel_size"] == 1 and len(detail["tokens"]) == 3
+    assert all(len(tokens) > 0 for tokens in detail["tokens"])
+    config = json.loads((tmp_path / CHECKPOINTS_DIR / architecture / "config.json").read_text())
+    assert config["architectures"] == [architecture] and config["model_type"]
+    assert config["hidden_size"] == 64 and config["vocab_size"] == 256
+
+
+def _round_trip(workdir: str) -> tuple[str, str, str]:
+    """Make ChatGLM's checkpoint twice (checksums), prove it, add a tensor no parameter takes and prove it again."""
+    import hashlib
+    import os
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pytest_enginecheck.targets.vllm.checkpoints import NoTinyCheckpoint, make_tiny_checkpoint
+    from pytest_enginecheck.targets.vllm.vllm_weights import WEIGHTS_FILE, prove_round_trip
+
+    os.environ["VLLM_PLUGINS"] = "clean"
+    paths = [make_tiny_checkpoint("ChatGLMModel", Path(workdir) / run) for run in ("a", "b")]
+    sums = [hashlib.sha256((p / WEIGHTS_FILE).read_bytes()).hexdigest() for p in paths]
+    prove_round_trip(paths[0])  # as written: every tensor consumed, every parameter loaded
+    tensors = load_file(str(paths[0] / WEIGHTS_FILE))
+    tensors[UNCONSUMED] = torch.ones(16)
+    save_file(tensors, str(paths[0] / WEIGHTS_FILE))
+    try:
+        prove_round_trip(paths[0])
+    except NoTinyCheckpoint as e:
+        return sums[0], sums[1], str(e)
+    return sums[0], sums[1], "the round trip passed"
+
+
+def test_the_round_trip_names_a_written_tensor_the_model_does_not_consume(in_child: Any, tmp_path: Any) -> None:
+    first, second, message = in_child(_round_trip, str(tmp_path))
+    assert first == second  # checkpoints.SEED: the same weights every time
+    assert "tensors written but not consumed: " + UNCONSUMED in message, message
+    assert "parameters not (wholly) loaded" not in message, message
+
+
+def _remote_code_only(workdir: str) -> str:
+    from pathlib import Path
+
+    from pytest_enginecheck.targets.vllm.checkpoints import NoTinyCheckpoint, make_tiny_checkpoint
+
+    try:
+        make_tiny_checkpoint("InternLM2ForCausalLM", Path(workdir) / "internlm2")
+    except NoTinyCheckpoint as e:
+        return str(e)
+    return "a checkpoint was made"
+
+
+def test_a_config_only_remote_code_defines_is_no_tiny_checkpoint_with_the_reason(in_child: Any, tmp_path: Any) -> None:
+    message = in_child(_remote_code_only, str(tmp_path))
+    assert "has no class 'InternLM2ForCausalLM'" in message, message
+    assert "its config comes from remote code" in message, message
