@@ -682,3 +682,27 @@ def test_a_read_only_property_is_never_set_and_an_int_field_keeps_its_default_in
     assert _read_only(StrictConfig, "head_dim") and not _read_only(StrictConfig, "sliding_window")
     assert not _admits_none(StrictConfig, "sliding_window") and _admits_none(StrictConfig, "pad_token_id")
     assert _admits_none(LegacyConfig, "sliding_window") and _admits_none(StrictConfig, "no_such_field")
+
+
+class _MultimodalModel:
+    """Stands for a vLLM model class transformers has no class for: multimodal, so no vLLM-side checkpoint."""
+
+    supports_multimodal = True
+
+
+def test_a_refused_tiny_checkpoint_is_refused_once_per_session(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reason is kept beside the checkpoints: the session's other items skip with it, without trying again."""
+    from pytest_enginecheck.targets.vllm import checkpoints
+
+    with pytest.raises(checkpoints.NoTinyCheckpoint, match="is multimodal") as first:
+        checkpoints.tiny_checkpoint("EctpNoClassMultimodalModel", str(tmp_path), _MultimodalModel)
+    assert "has no class 'EctpNoClassMultimodalModel'" in str(first.value)
+
+    def again(*args: Any) -> None:
+        raise AssertionError("a refused checkpoint was tried again")
+
+    monkeypatch.setattr(checkpoints, "make_tiny_checkpoint", again)
+    with pytest.raises(checkpoints.NoTinyCheckpoint) as second:
+        checkpoints.tiny_checkpoint("EctpNoClassMultimodalModel", str(tmp_path), _MultimodalModel)
+    assert str(second.value) == str(first.value)
+    assert not (tmp_path / checkpoints.CHECKPOINTS_DIR / "EctpNoClassMultimodalModel").exists()

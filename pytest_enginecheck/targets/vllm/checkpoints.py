@@ -319,10 +319,22 @@ def made_once(path: Path, marker: str, make: Callable[[Path], object]) -> Path:
 
 
 def tiny_checkpoint(architecture: str, workdir: str, model_cls: type | None = None) -> Path:
-    """The architecture's tiny checkpoint under ``workdir``, made once (``made_once``)."""
+    """The architecture's tiny checkpoint under ``workdir``, made once (``made_once``); where none can be made, the
+    reason is kept beside it, so the session's other items skip at once instead of trying again (a vLLM-side
+    attempt costs a fork that builds vLLM's model)."""
 
     def make(tmp: Path) -> None:
         with _one_torch_thread():
             make_tiny_checkpoint(architecture, tmp, model_cls)
 
-    return made_once(Path(workdir) / CHECKPOINTS_DIR / architecture, "config.json", make)
+    path = Path(workdir) / CHECKPOINTS_DIR / architecture
+    refused = path.with_name(f".{architecture}.no-tiny-checkpoint")
+    if refused.exists():
+        raise NoTinyCheckpoint(refused.read_text())
+    try:
+        return made_once(path, "config.json", make)
+    except NoTinyCheckpoint as e:
+        partial = refused.with_name(f"{refused.name}.{os.getpid()}")
+        partial.write_text(str(e))
+        partial.replace(refused)  # whole or not at all: another process may read it now
+        raise
