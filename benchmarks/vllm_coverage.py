@@ -53,7 +53,6 @@ SKIP_CLASSES = (
     ("refuses the tiny sizes", "skipped: config refuses the tiny sizes"),
     ("transformers cannot build", "skipped: transformers cannot build the tiny model"),
     ("transformers cannot save", "skipped: transformers cannot save the tiny model"),
-    ("is multimodal (supports_multimodal)", "skipped: no transformers class for the composite config"),
     ("cannot be built at TP=1 from the tiny config", "skipped: vLLM cannot build the tiny model"),
     ("vLLM refuses the tiny config", "skipped: vLLM refuses the tiny config"),
     ("load_weights refuses", "skipped: the checkpoint written from vLLM's side does not round-trip"),
