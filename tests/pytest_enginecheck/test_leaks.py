@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,7 @@ from pytest_enginecheck.leaks import ResourceSnapshot, unowned_shm_entries, wait
 
 
 @pytest.fixture
-def private_tmp(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A temp dir of this test's own, as the engine checks take one (``watch_only_this_engine``): the shared one
     also receives other xdist workers' entries while the test waits, which are not what these tests are about."""
     import tempfile
@@ -73,7 +74,8 @@ def _gone(path: str, seconds: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def test_a_segment_another_program_held_and_left_while_the_engine_ran_is_not_the_engines_leak(private_tmp) -> None:
+@pytest.mark.usefixtures("private_tmp")
+def test_a_segment_another_program_held_and_left_while_the_engine_ran_is_not_the_engines_leak() -> None:
     path = f"/dev/shm/ec-test-foreign-{uuid.uuid4().hex[:8]}"
     before = ResourceSnapshot.take(watch=True)
     try:
@@ -85,7 +87,8 @@ def test_a_segment_another_program_held_and_left_while_the_engine_ran_is_not_the
             os.unlink(path)
 
 
-def test_a_segment_only_this_tree_held_is_a_leak_although_the_watch_ran(private_tmp) -> None:
+@pytest.mark.usefixtures("private_tmp")
+def test_a_segment_only_this_tree_held_is_a_leak_although_the_watch_ran() -> None:
     path = f"/dev/shm/ec-test-own-{uuid.uuid4().hex[:8]}"
     before = ResourceSnapshot.take(watch=True)
     try:
