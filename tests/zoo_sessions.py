@@ -48,6 +48,13 @@ QUANT = ("--enginecheck-target=zoo.quant_bugs:REGISTRY", "--enginecheck-checks=q
 SESSIONS: dict[str, tuple[str, ...]] = {"root-causes": ROOT_CAUSES, "planted": PLANTED, "quant": QUANT}
 TIMEOUT = 900  # seconds a session may run
 
+# Starts argv[2:] in a session of its own, output to the log file argv[1], prints its pid and exits: the runner is
+# then no descendant of the worker that started it, so a test that counts its own descendants (what an engine
+# left running) never counts a zoo session's processes.
+_DETACH = ("import subprocess, sys; "
+           "print(subprocess.Popen(sys.argv[2:], stdout=open(sys.argv[1], 'w'), stderr=subprocess.STDOUT, "
+           "stdin=subprocess.DEVNULL, start_new_session=True).pid)")
+
 # The same environment whichever test asks first: no engine_ref plugin loaded.
 _HERMETIC = {"ENGINE_REF_PLUGINS": ""}
 
@@ -95,11 +102,11 @@ def start_needed(tmp_path_factory: pytest.TempPathFactory, items: Iterable[pytes
             (run_dir / "spec.json").write_text(json.dumps({"args": list(SESSIONS[name]), "timeout": TIMEOUT}))
             # started before the root conftest's private ModelInfo cache is set: a private one of its own
             env = {"ENGINE_REF_CACHE_ROOT": str(run_dir / "engine_ref_cache"), **os.environ}
-            with open(run_dir / "runner.log", "w") as log:
-                runner = subprocess.Popen([sys.executable, "-m", "tests.zoo_sessions", str(run_dir)],
-                                          cwd=Path(__file__).parents[1], env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-            (run_dir / "runner.pid").write_text(str(runner.pid))
+            launched = subprocess.run([sys.executable, "-c", _DETACH, str(run_dir / "runner.log"),
+                                       sys.executable, "-m", "tests.zoo_sessions", str(run_dir)],
+                                      cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True,
+                                      check=True, timeout=60)
+            (run_dir / "runner.pid").write_text(launched.stdout.strip())
 
 
 def stop_unfinished(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
