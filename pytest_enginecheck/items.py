@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckResult, item_name
+from pytest_enginecheck.rank_turns import rank_turn, turns_dir
 
 if TYPE_CHECKING:
     from _pytest._code.code import TerminalRepr
@@ -50,11 +52,12 @@ class CheckItem(pytest.Item):
         self.roots: Mapping[str, tuple[str, CheckContext]] = {}
         self.known: MutableMapping[str, CheckResult] = {}
         self.add_marker("enginecheck")
-        ranks = max(ctx.tp_sizes) if ctx.check == "startup" else ctx.tp  # startup runs at the largest TP size
-        if ranks > 1 and self.config.pluginmanager.hasplugin("xdist"):
-            # pytest-xdist's --dist loadgroup runs the items of one group in one worker, one at a time: at most one
-            # multi-rank engine runs at once, so -n W starts at most W - 1 + max(TP) ranks (the group names no rank
-            # count, so node ids, and pytest-split's durations, do not depend on --enginecheck-tp).
+        # the ranks it starts at once: startup runs at the largest TP size
+        self.ranks = max(1, max(ctx.tp_sizes) if ctx.check == "startup" else ctx.tp)
+        if self.ranks > 1 and self.config.pluginmanager.hasplugin("xdist"):
+            # pytest-xdist's --dist loadgroup sends the items of one group to one worker (the group names no rank
+            # count, so node ids, and pytest-split's durations, do not depend on --enginecheck-tp); rank_turns makes
+            # them run alone whatever the --dist mode.
             self.add_marker(pytest.mark.xdist_group("enginecheck-multirank"))
 
     def depend_on(self, roots: Mapping[str, tuple[str, CheckContext]], known: MutableMapping[str, CheckResult]
@@ -67,7 +70,11 @@ class CheckItem(pytest.Item):
     def runtest(self) -> None:
         from pytest_enginecheck.checks.runner import run_item
 
-        self.result = run_item(self.ctx, self.roots, self.known)
+        with rank_turn(turns_dir(self.config), self.ranks) as waited:
+            result = run_item(self.ctx, self.roots, self.known)
+        # the wait for its turn is the run's, not the check's: a phase beside its own, not in its duration
+        self.result = dataclasses.replace(result, phases={**result.phases, "turn.wait": round(waited, 4)}
+                                          ) if waited else result
         self.user_properties.append((RESULT_PROPERTY, json.dumps(self.result.to_dict())))
         if self.result.outcome == "failed":
             raise CheckFailure(self.result.message, self.result.detail)

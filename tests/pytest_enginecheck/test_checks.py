@@ -439,6 +439,8 @@ def test_one_root_cause_one_failure_serially_and_under_xdist(zoo: pytest.Pyteste
         else:
             result, results = run_enginecheck(zoo, *args, "-n", "2", name=mode)
         result.assert_outcomes(passed=2, failed=2, skipped=len(AFTER_IMPORT) + len(AFTER_BUILD))
+        # under xdist every item waited for its turn (rank_turns: multi-rank items run alone), serially none did
+        assert {"turn.wait" in r["phases"] for r in results.values()} == {mode == "xdist"}
         assert {key for key, r in results.items() if r["outcome"] == "failed"} == \
                {(CUDA_ARCH, "import"), (BUILD_ARCH, "load[tp=1]")}
         for arch, root, dependents in ((CUDA_ARCH, "import", AFTER_IMPORT), (BUILD_ARCH, "load[tp=1]", AFTER_BUILD)):
