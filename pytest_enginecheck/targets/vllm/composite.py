@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,12 @@ ENCODER_SIZES: dict[str, int] = {
     "num_hidden_layers": 2, "num_layers": 2, "depth": 2, "encoder_layers": 2, "conf_num_hidden_layers": 2,
     "num_attention_heads": 2, "num_heads": 2, "encoder_attention_heads": 2, "num_key_value_heads": 2,
     "conf_num_attention_heads": 2, "head_dim": 32, "dim_head": 32, "vocab_size": 256,
+    # an encoder-decoder's decoder (Whisper's, also as an audio sub-config): its heads must divide d_model too
+    "decoder_attention_heads": 2, "decoder_layers": 2, "decoder_ffn_dim": 128,
 }
+# The decoder of an encoder-decoder text config (Whisper): transformers' attribute_map names only the encoder's sizes
+# (hidden_size -> d_model, num_attention_heads -> encoder_attention_heads), so the text rules miss these.
+DECODER_SIZES = ("decoder_attention_heads", "decoder_layers", "decoder_ffn_dim")
 IMAGE_PATCHES = 4  # patches per side of the tiny image
 # The image's token count, where the composite (or a sub-config) states it: IMAGE_PATCHES ** 2, one per patch.
 IMAGE_TOKEN_FIELDS = ("image_seq_length", "mm_tokens_per_image", "num_image_tokens")
@@ -42,13 +47,24 @@ MIN_DIMENSION = 256  # a default this large that equals a part's hidden or vocab
 def is_composite(defaults: Any) -> bool:
     """Whether the default config ``defaults`` holds its text decoder as a sub-config (Llava's ``text_config``)."""
     get_text_config = getattr(defaults, "get_text_config", None)
-    return bool(getattr(type(defaults), "sub_configs", None)) and callable(get_text_config) \
-        and get_text_config() is not defaults
+    return (bool(_sub_configs(defaults)) and callable(get_text_config) and get_text_config() is not defaults) \
+        or _is_encoder_decoder(defaults)
+
+
+def _is_encoder_decoder(defaults: Any) -> bool:
+    """Whether ``defaults`` is an encoder-decoder config with decoder sizes of its own (Whisper's)."""
+    return bool(getattr(defaults, "is_encoder_decoder", False)) and any(k in _ints(defaults) for k in DECODER_SIZES)
 
 
 def _sub_configs(defaults: Any) -> dict[str, Any]:
-    """The default sub-configs by attribute name (those that are set)."""
-    return {name: sub for name in type(defaults).sub_configs if (sub := getattr(defaults, name, None)) is not None}
+    """The default sub-configs by attribute name (those that are set): the class's declared ``sub_configs``, and any
+    other attribute that is a config (vLLM's own composite configs declare none: DeepseekVLV2Config, UltravoxConfig)."""
+    from transformers import PretrainedConfig
+
+    declared = {name: sub for name in getattr(type(defaults), "sub_configs", None) or {}
+                if (sub := getattr(defaults, name, None)) is not None}
+    held = {name: sub for name, sub in vars(defaults).items() if isinstance(sub, PretrainedConfig)}
+    return {**declared, **held}
 
 
 def _ints(config: Any) -> dict[str, int]:
@@ -92,26 +108,41 @@ def _image(config: Any) -> dict[str, int]:
     return sizes
 
 
-def _rebuilt(config: Any, sizes: dict[str, Any], subs: dict[str, Any] | None = None) -> Any:
-    """``config``'s class built from ``config``'s own values with ``sizes`` (and the tiny sub-configs ``subs``) over
-    them, so its validators run; NoTinyCheckpoint where they refuse."""
+def _rebuilt(config: Any, sizes: dict[str, Any], subs: dict[str, Any] | None = None,
+             exclude: Collection[str] = ()) -> Any:
+    """``config``'s class built from ``config``'s own values (less ``exclude``) with ``sizes`` (and the tiny
+    sub-configs ``subs``, by constructor keyword) over them, so its validators run; NoTinyCheckpoint where they
+    refuse."""
     from pytest_enginecheck.targets.vllm.checkpoints import NoTinyCheckpoint
 
     subs = subs or {}
     values = {k: v for k, v in config.to_diff_dict().items()
-              if k not in ("transformers_version", "model_type", "architectures") and k not in subs}
+              if k not in ("transformers_version", "model_type", "architectures", *subs, *exclude)}
     try:
         return type(config)(**{**values, **sizes, **subs})
     except Exception as e:  # noqa: BLE001 - TypeError, ValueError, huggingface_hub's StrictDataclass*Error, ...
-        raise NoTinyCheckpoint(f"{type(config).__name__} refuses the tiny sizes {sizes}: {type(e).__name__}: {e}"
-                               ) from None
+        error = e
+    if subs:  # a constructor that takes its sub-configs as dicts only (vLLM's DeepseekVLV2Config: ``Class(**d)``)
+        try:
+            return type(config)(**{**values, **sizes, **{k: v.to_dict() for k, v in subs.items()}})
+        except Exception:  # noqa: BLE001 - told by the first error
+            pass
+    raise NoTinyCheckpoint(f"{type(config).__name__} refuses the tiny sizes {sizes}: {type(error).__name__}: {error}")
 
 
-def tiny_composite_config(config_cls: type, defaults: Any,
-                          tiny_text_config: Callable[[type, Any], Any]) -> Any:
+def tiny_composite_config(config_cls: type, defaults: Any, tiny_text_config: Callable[[type, Any], Any],
+                          encoder_sizes: Mapping[str, int] | None = None, keys: Mapping[str, str] | None = None) -> Any:
     """``config_cls``'s tiny config from its default ``defaults``: the text sub-config by ``tiny_text_config``
     (``(config class, default config) -> tiny config``, which raises NoTinyCheckpoint), every other sub-config
-    and the top level shrunk as the module docstring says; NoTinyCheckpoint where a config refuses its sizes."""
+    and the top level shrunk as the module docstring says (``encoder_sizes``: more encoder size fields, by name, over
+    ENCODER_SIZES; ``keys``: the constructor keyword of a sub-config whose attribute has another name, as vLLM's
+    UltravoxConfig takes ``text_config`` and holds ``wrapped_model_config``); NoTinyCheckpoint where a config refuses
+    its sizes. An encoder-decoder text config (Whisper) is shrunk by the text decoders' rules plus ENCODER_SIZES'
+    decoder fields."""
+    if _is_encoder_decoder(defaults) and defaults.get_text_config() is defaults:
+        tiny = tiny_text_config(config_cls, defaults)
+        return _rebuilt(tiny, {k: ENCODER_SIZES[k] for k in DECODER_SIZES if k in _ints(defaults)})
+    encoder_sizes = {**ENCODER_SIZES, **(encoder_sizes or {})}
     text = defaults.get_text_config()
     tiny_text = tiny_text_config(type(text), text)
     dims = _dimensions(defaults, tiny_text)
@@ -121,10 +152,11 @@ def tiny_composite_config(config_cls: type, defaults: Any,
             subs[name] = tiny_text
             continue
         fields = _ints(sub)
-        sizes = {**_by_dimension(sub, dims), **{k: v for k, v in ENCODER_SIZES.items() if k in fields}, **_image(sub)}
+        sizes = {**_by_dimension(sub, dims), **{k: v for k, v in encoder_sizes.items() if k in fields}, **_image(sub)}
         subs[name] = _rebuilt(sub, sizes)
     top = {k: v for k, v in {**_by_dimension(defaults, dims), **_image(defaults)}.items() if k not in subs}
-    return _rebuilt(defaults, top, subs)
+    keys = keys or {}
+    return _rebuilt(defaults, top, {keys.get(name, name): sub for name, sub in subs.items()}, exclude=subs)
 
 
 def engine_args(ckpt: str) -> dict[str, Any]:

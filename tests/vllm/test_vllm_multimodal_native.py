@@ -1,0 +1,128 @@
+"""Multimodal architectures whose config class is vLLM's own (targets/vllm/vllm_multimodal.py): the composite config
+shrunk part by part and written in the hub's layout, the weights written from vLLM's side, vLLM's engine on them
+(``load[tp=1]``); and the encoder-decoder head rule of composite.py (Whisper)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
+
+# UltravoxConfig (vLLM's): a Llama text decoder held as ``wrapped_model_config``, read from the hub's ``text_config``,
+# and a Whisper audio encoder; the cheapest of the multimodal checkpoints written from vLLM's side.
+ULTRAVOX = "UltravoxModel"
+
+
+def _config(architecture: str) -> Any:
+    import json
+
+    from pytest_enginecheck.targets.vllm.checkpoints import NoTinyCheckpoint
+    from pytest_enginecheck.targets.vllm.vllm_multimodal import tiny_multimodal_config
+    from pytest_enginecheck.targets.vllm.vllm_weights import _model_class
+
+    try:
+        return json.loads(tiny_multimodal_config(architecture, _model_class(architecture)).to_json_string())
+    except NoTinyCheckpoint as e:
+        return str(e)
+
+
+def test_a_vllm_composite_config_is_shrunk_part_by_part_in_the_hubs_layout(in_child: Any) -> None:
+    saved = in_child(_config, ULTRAVOX)
+    assert isinstance(saved, dict), saved
+    # the hub's key (UltravoxConfig reads text_config, holds wrapped_model_config), the text decoder tiny
+    assert "wrapped_model_config" not in saved
+    text, audio = saved["text_config"], saved["audio_config"]
+    assert (text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]) == (64, 2, 256)
+    assert saved["vocab_size"] == text["vocab_size"]  # read at the top level by vLLM's ultravox.py
+    # the Whisper encoder: every head count divides d_model (the decoder's too)
+    assert audio["d_model"] == 64 and audio["encoder_layers"] == 2
+    assert audio["encoder_attention_heads"] == audio["decoder_attention_heads"] == 2
+    assert saved["hidden_size"] == 64  # the projector's output meets the text decoder
+
+
+def test_a_multimodal_class_whose_config_is_one_part_says_so(in_child: Any) -> None:
+    message = in_child(_config, "Phi3VForCausalLM")  # its module imports CLIPVisionConfig: its own config is remote
+    assert isinstance(message, str), message
+    assert "(CLIPVisionConfig, model_type 'clip_vision_model') holds no text decoder as a sub-config" in message
+
+
+def _load(workdir: str, architecture: str) -> Any:
+    import os
+
+    from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
+
+    os.environ["VLLM_PLUGINS"] = "clean"  # not the test site's raising plugins (tests/vllm/plugin_dist.py)
+    ctx = CheckContext(check="load", spec="vllm", architecture=architecture, module="", class_name="",
+                       workdir=workdir, tp=1, budget_memory="512MiB", timeout=300.0)
+    try:
+        return CHECK_FUNCTIONS["load"](ctx)
+    except (CheckFailure, CheckSkip) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def test_load_tp1_runs_vllms_engine_on_a_multimodal_checkpoint_written_from_vllms_side(in_child: Any,
+                                                                                        tmp_path: Any) -> None:
+    import json
+
+    from safetensors import safe_open
+
+    from pytest_enginecheck.targets.vllm.checkpoints import CHECKPOINTS_DIR
+
+    detail = in_child(_load, str(tmp_path), ULTRAVOX)
+    assert isinstance(detail, dict), detail
+    assert detail["tensor_parallel_size"] == 1 and [len(t) for t in detail["tokens"]] == [6, 6, 6]
+    path = tmp_path / CHECKPOINTS_DIR / ULTRAVOX
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == [ULTRAVOX] and config["model_type"] == "ultravox"
+    # language_model_only: vLLM builds no audio tower, so only the text model's tensors are written (and proven)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert {name.split(".")[0] for name in f.keys()} == {"language_model"}  # noqa: SIM118
+
+
+def _whisper() -> Any:
+    from pytest_enginecheck.targets.vllm.checkpoints import tiny_config
+
+    return tiny_config("WhisperForConditionalGeneration").to_dict()
+
+
+def test_an_encoder_decoders_decoder_heads_are_shrunk_with_its_width(in_child: Any) -> None:
+    config = in_child(_whisper)
+    assert config["d_model"] == 64
+    assert (config["encoder_attention_heads"], config["decoder_attention_heads"]) == (2, 2)
+    assert (config["encoder_layers"], config["decoder_layers"], config["decoder_ffn_dim"]) == (2, 2, 128)
+
+
+def _sub_configs(architecture: str) -> tuple[list[str], list[str]]:
+    from pytest_enginecheck.targets.vllm import composite
+    from pytest_enginecheck.targets.vllm.checkpoints import hf_class
+
+    defaults = hf_class(architecture).config_class()
+    return sorted(composite._sub_configs(defaults)), sorted(type(defaults).sub_configs)
+
+
+def test_sub_configs_found_by_attribute_are_the_declared_ones_of_a_transformers_composite(in_child: Any) -> None:
+    found, declared = in_child(_sub_configs, "PaliGemmaForConditionalGeneration")
+    assert found == declared == ["text_config", "vision_config"]
+
+
+WHISPER_TRACEBACK = '''Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/vllm/multimodal/registry.py", line 76, in build_processor
+    return self.processor(info, dummy_inputs_builder)
+  File "/venv/lib/python3.11/site-packages/vllm/multimodal/processing/processor.py", line 1048, in __init__
+    raise ValueError(
+ValueError: WhisperMultiModalProcessor requires a tokenizer and cannot be initialized when `skip_tokenizer_init=True`.
+'''
+
+
+def test_a_multimodal_processor_that_needs_the_tokenizer_is_the_checkers_limit() -> None:
+    from pytest_enginecheck.targets.vllm.failures import EngineFailure
+    from pytest_enginecheck.targets.vllm.limits import checker_limit
+
+    exception = ("ValueError: WhisperMultiModalProcessor requires a tokenizer and cannot be initialized when "
+                 "`skip_tokenizer_init=True`. Disable `--skip-tokenizer-init`.")
+    reason = checker_limit(EngineFailure("startup", 0, exception, "", WHISPER_TRACEBACK))
+    assert reason == ("vLLM's WhisperMultiModalProcessor needs the checkpoint's tokenizer, and the checker's tiny "
+                      "checkpoint has none (vLLM starts on it with skip_tokenizer_init)")
+    # the same words raised by a model's own code are the model's failure
+    elsewhere = WHISPER_TRACEBACK.replace("vllm/multimodal/processing/processor.py", "my_model/processing.py")
+    assert checker_limit(EngineFailure("startup", 0, exception, "", elsewhere)) is None
