@@ -15,6 +15,27 @@ import pytest
 
 from tests.helpers import LLAMA
 
+# Test modules that hold a worker longest (their engines, Ray clusters and pytest runs): run first, so that the
+# pytest-xdist workers end together instead of one finishing a long test alone.
+LONG_MODULES = ("test_ray.py", "test_leftovers.py", "test_cli.py", "test_general_plugins.py", "test_fixtures.py",
+                "test_checks.py", "test_estimate.py", "test_multiproc.py", "test_quantization.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order the tests by cost, keeping the collection's order within each rank: the tests of LONG_MODULES first,
+    and last the tests that read a shared zoo session (a fixture their module's ``ZOO_SESSIONS`` names,
+    tests/zoo_sessions.py), so the session has the whole run to finish in the background instead of holding a
+    worker that waits for it. (A module fixture those readers share with the module's other tests would be set up
+    twice: the session-reading fixtures are the only module fixtures of those modules.) Every worker collects the
+    same order, as pytest-xdist requires."""
+    def rank(item: pytest.Item) -> int:
+        readers = getattr(getattr(item, "module", None), "ZOO_SESSIONS", {})
+        if any(fixture in readers for fixture in getattr(item, "fixturenames", ())):
+            return 2
+        return 0 if item.path.name in LONG_MODULES else 1
+
+    items.sort(key=rank)
+
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the shared zoo sessions the selected tests read (tests/zoo_sessions.py) in the background now, so

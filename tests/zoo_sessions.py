@@ -44,8 +44,18 @@ QUANT = ("--enginecheck-target=zoo.quant_bugs:REGISTRY", "--enginecheck-checks=q
          "--enginecheck-quant=int8,fp8", "--enginecheck-tp=1,2")
 
 
+# The load check's TP diagnosis of the three TP bugs of zoo.tp_registry, and startup beside it (test_diagnosis).
+TP_DIAGNOSIS = ("--enginecheck-target=zoo.tp_registry:REGISTRY", "--enginecheck-checks=load,startup")
+
+# The lora check over the bundled zoo (the default target, no plugin loaded), and over zoo.lora_models: a layer
+# that tells LoRA the wrong input columns at TP=2 while its own weights load right (test_lora_check).
+LORA_BUNDLED = ("--enginecheck-checks=lora", "-v")
+LORA_SHARD = ("--enginecheck-target=zoo.lora_models:REGISTRY", "--enginecheck-checks=load,lora")
+
 # The sessions a module can name in its ZOO_SESSIONS: name -> arguments.
-SESSIONS: dict[str, tuple[str, ...]] = {"root-causes": ROOT_CAUSES, "planted": PLANTED, "quant": QUANT}
+SESSIONS: dict[str, tuple[str, ...]] = {"root-causes": ROOT_CAUSES, "planted": PLANTED, "quant": QUANT,
+                                        "tp-diagnosis": TP_DIAGNOSIS, "lora-bundled": LORA_BUNDLED,
+                                        "lora-shard": LORA_SHARD}
 TIMEOUT = 900  # seconds a session may run
 
 # Starts argv[2:] in a session of its own, output to the log file argv[1], prints its pid and exits: the runner is

@@ -7,6 +7,8 @@ the same code path, without another interpreter.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -240,13 +242,31 @@ def malformed(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         TRUNCATED_ON_TP2: (["startup", str(truncated), "-tp", "2", *small, "--device-memory", "64MiB"], None),
         "verbose": (["startup", str(truncated), "-tp", "2", *small, "--device-memory", "64MiB", "--verbose"], None),
     }
-    processes = {name: start(*args, env=env) for name, (args, env) in commands.items()}
-    yield lambda name: finish(processes[name])
+    processes = {name: start(*args, env=env) for name, (args, env) in commands.items() if name not in IN_PROCESS}
+    in_process = {name: run_main(*commands[name]) for name in IN_PROCESS}  # while the processes run
+    yield lambda name: in_process[name] if name in in_process else finish(processes[name])
     for process in processes.values():
         if process.poll() is None:
             process.kill()
             process.communicate()
 
+
+def run_main(args: list[str], env: dict[str, str] | None) -> subprocess.CompletedProcess[str]:
+    """``main(args)`` in this process with ``env`` set, as the finished process ``engine-ref ARGS`` would be."""
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        for name, value in (env or {}).items():
+            patch.setenv(name, value)
+        returncode = main(args)
+    return subprocess.CompletedProcess(["engine-ref", *args], returncode, out.getvalue(), err.getvalue())
+
+
+# The malformed inputs that fail before any engine process starts: main(argv) in this process, the same code path
+# without an interpreter each; the others (a tensor read by the loader, a worker's error) run as real processes.
+IN_PROCESS = ("config.json is a JSON list", "config.json is binary", "max_position_embeddings=1e12 (estimate)",
+              "max_position_embeddings=2**24 (startup)", "--device-memory 999...TiB (startup)",
+              "--device-memory 999...TiB (estimate)", "--device-memory 1PiB on CPU", "--device-memory -1GiB",
+              "--max-model-len 10**13", "ENGINE_REF_READY_TIMEOUT_S=abc")
 
 MALFORMED = {
     # name: what the one line says (after "engine-ref: error: ")

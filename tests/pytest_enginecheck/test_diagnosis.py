@@ -4,33 +4,22 @@ collective, a row-parallel layer declared column-parallel."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ZOO = Path(__file__).parents[1] / "plugin_zoo"
+from tests.zoo_sessions import TP_DIAGNOSIS, zoo_session
+
+# the fixture that reads a shared zoo session -> its name (started early: tests/zoo_sessions.py)
+ZOO_SESSIONS = {"load_results": "tp-diagnosis"}
 
 
 @pytest.fixture(scope="module")
 def load_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, dict]]:
-    """One ``pytest --enginecheck`` run of the load check over the TP zoo, in a subprocess (shared by the tests:
-    it starts a dozen engines and diagnoses three)."""
-    run_dir = tmp_path_factory.mktemp("tp-zoo")
-    shutil.copytree(ZOO, run_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-    report = run_dir / "report.json"
-    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--enginecheck",
-                          "--enginecheck-target=zoo.tp_registry:REGISTRY", "--enginecheck-checks=load,startup",
-                          f"--enginecheck-json={report}"],
-                         cwd=run_dir, capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "PYTHONPATH": str(run_dir)})
-    results = json.loads(report.read_text())["results"]
-    return out.stdout, {r["arch"] if r["check"] == "load[tp=2]" else f"{r['arch']}::{r['check']}": r
-                        for r in results if r["check"] in ("load[tp=2]", "startup")}
+    """The ``pytest --enginecheck`` run of the load and startup checks over the TP zoo (shared, started early:
+    tests/zoo_sessions.py; it starts a dozen engines and diagnoses three): its output, and its load[tp=2] results
+    by architecture and startup results by ``arch::startup``."""
+    session = zoo_session(tmp_path_factory, "tp-diagnosis", *TP_DIAGNOSIS)
+    return session.stdout, {r["arch"] if r["check"] == "load[tp=2]" else f"{r['arch']}::{r['check']}": r
+                            for r in session.report["results"] if r["check"] in ("load[tp=2]", "startup")}
 
 
 def test_every_tp1_load_passes_and_every_tp2_fails(load_results: tuple[str, dict[str, dict]]) -> None:

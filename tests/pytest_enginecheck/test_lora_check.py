@@ -4,27 +4,28 @@ input columns at TP=2 while its own weights load right."""
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-from typing import Any
-
 import pytest
 
 from tests.helpers import ARCHITECTURES as BUNDLED
+from tests.zoo_sessions import LORA_BUNDLED, LORA_SHARD, ZooSession, zoo_session
 
-ZOO = Path(__file__).parents[1] / "plugin_zoo"
+# the fixtures that read a shared zoo session -> its name (started early: tests/zoo_sessions.py)
+ZOO_SESSIONS = {"bundled_lora": "lora-bundled", "shard_lora": "lora-shard"}
+
 LORA_ARCHITECTURES = ["LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3MoeForCausalLM"]
 LORA_CHECKS = ["lora[tp=1]", "lora[tp=2]"]
 
 
-def run_enginecheck(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, dict[tuple[str, str], Any]]:
-    """One ``pytest --enginecheck`` subprocess run; its JSON report's results by (arch, check)."""
-    path = pytester.path / "report.json"
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--enginecheck", f"--enginecheck-json={path}",
-                                           *args, timeout=600)
-    assert path.exists(), result.stdout.str() + result.stderr.str()
-    return result, {(r["arch"], r["check"]): r for r in json.loads(path.read_text())["results"]}
+@pytest.fixture(scope="module")
+def bundled_lora(tmp_path_factory: pytest.TempPathFactory) -> ZooSession:
+    """``pytest --enginecheck --enginecheck-checks=lora -v`` over the bundled zoo (shared, started early)."""
+    return zoo_session(tmp_path_factory, "lora-bundled", *LORA_BUNDLED)
+
+
+@pytest.fixture(scope="module")
+def shard_lora(tmp_path_factory: pytest.TempPathFactory) -> ZooSession:
+    """The load and lora checks over zoo.lora_models (shared, started early)."""
+    return zoo_session(tmp_path_factory, "lora-shard", *LORA_SHARD)
 
 
 def glob(text: str) -> str:
@@ -32,8 +33,8 @@ def glob(text: str) -> str:
     return text.replace("[", "[[]")
 
 
-def test_lora_check_on_the_bundled_zoo(pytester: pytest.Pytester) -> None:
-    result, results = run_enginecheck(pytester, "--enginecheck-checks=lora", "-v")
+def test_lora_check_on_the_bundled_zoo(bundled_lora: ZooSession) -> None:
+    result, results = bundled_lora.result, bundled_lora.results
     assert result.ret == 0, result.stdout.str()
     result.assert_outcomes(passed=len(LORA_ARCHITECTURES) * 2, skipped=2)
     assert sorted(results) == sorted((arch, check) for arch in BUNDLED for check in LORA_CHECKS)
@@ -65,12 +66,9 @@ def test_lora_check_on_the_bundled_zoo(pytester: pytest.Pytester) -> None:
     )])
 
 
-def test_lora_check_catches_a_layer_that_misleads_lora(pytester: pytest.Pytester) -> None:
+def test_lora_check_catches_a_layer_that_misleads_lora(shard_lora: ZooSession) -> None:
     """load passes at TP=2 (the base weights shard right); lora[tp=2] fails: A is sliced by input_start."""
-    shutil.copytree(ZOO, pytester.path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-    pytester.makeini("[pytest]\npythonpath = .\n")
-    result, results = run_enginecheck(pytester, "--enginecheck-target=zoo.lora_models:REGISTRY",
-                                      "--enginecheck-checks=load,lora")
+    result, results = shard_lora.result, shard_lora.results
     arch = "LoRAShardLlamaForCausalLM"
     assert {check: r["outcome"] for (_, check), r in results.items()} == {
         "load[tp=1]": "passed", "load[tp=2]": "passed", "lora[tp=1]": "passed", "lora[tp=2]": "failed"}
