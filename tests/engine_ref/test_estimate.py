@@ -375,8 +375,9 @@ def test_weights_overflow_leaves_no_length(tiny_checkpoint: Callable[..., Path])
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the peak RSS from /proc (Linux)")
-def test_a_47b_model_is_estimated_in_seconds_without_allocating_it() -> None:
+def test_a_47b_model_is_estimated_without_allocating_it() -> None:
     """Mixtral-8x7B (87 GiB of bfloat16 weights) at TP 2, with a 32768-token profile batch, in a child process.
+    How long it takes depends on the machine: ``python benchmarks/estimate.py`` measures it.
 
     The child reports its own peak RSS from /proc/self/status (VmHWM): getrusage's ru_maxrss would
     include this test process's, which Linux carries across the fork and exec that start the child.
@@ -387,7 +388,7 @@ from engine_ref.memory.estimate import estimate_memory
 estimate = estimate_memory({str(published('Mixtral-8x7B-v0.1'))!r}, device_memory="80GiB", tensor_parallel_size=2,
                            dtype="bfloat16", max_model_len=32768)
 peak_kib = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
-print(json.dumps({{"estimate": estimate.to_dict(), "seconds": estimate.seconds, "max_rss_bytes": peak_kib * 1024}}))
+print(json.dumps({{"estimate": estimate.to_dict(), "max_rss_bytes": peak_kib * 1024}}))
 """
     result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -396,7 +397,6 @@ print(json.dumps({{"estimate": estimate.to_dict(), "seconds": estimate.seconds, 
     assert estimate["num_parameters"] == PUBLISHED_PARAMETERS["Mixtral-8x7B-v0.1"]
     assert estimate["fits"] and estimate["weight_bytes"] > 90e9
     assert 100e6 < data["max_rss_bytes"] < 1 << 30, data["max_rss_bytes"]  # not one full-size layer was allocated
-    assert data["seconds"] < 60, data["seconds"]
 
 
 # -- inputs and errors --------------------------------------------------------------------------------
