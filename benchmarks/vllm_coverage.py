@@ -46,6 +46,7 @@ SKIP_CLASSES = (
     ("is not a text generation model", "skipped: not text generation (ModelInfo)"),
     ("still makes", "skipped: a size the shrink rules do not know"),
     ("comes from remote code", "skipped: config only in remote code"),
+    ("no rule of the checker's remote config", "skipped: a remote config's field no rule knows"),
     ("nor one of its base classes", "skipped: no transformers config class"),
     ("declares no config_class", "skipped: no config_class declared"),
     ("cannot import its class", "skipped: transformers cannot import its class"),

@@ -706,3 +706,105 @@ def test_a_refused_tiny_checkpoint_is_refused_once_per_session(tmp_path: Path, m
         checkpoints.tiny_checkpoint("EctpNoClassMultimodalModel", str(tmp_path), _MultimodalModel)
     assert str(second.value) == str(first.value)
     assert not (tmp_path / checkpoints.CHECKPOINTS_DIR / "EctpNoClassMultimodalModel").exists()
+
+
+# --- remote_config: the config fields a vLLM model's source reads, their values, the config module it writes ----
+
+MODEL_SOURCE = '''\
+class DecoderLayer:
+    def __init__(self, config, prefix=""):
+        self.hidden_size = config.hidden_size
+        self.eps = getattr(config, "rms_norm_eps")
+        self.window = getattr(config, "sliding_window", None)
+        self.rotary = getattr(config, "partial_rotary_factor", 0.5)
+        self.theta = getattr(config, "rope_theta", 10000.0)
+        if hasattr(config, "kv_lora_rank"):
+            self.rank = config.kv_lora_rank
+        if getattr(config, "num_experts", 0):
+            self.experts = config.num_experts
+        self.text = config.get_text_config()
+
+
+class Model:
+    def __init__(self, vllm_config):
+        hf_config = vllm_config.model_config.hf_config
+        self.layers = hf_config.num_hidden_layers
+        self.theta = hf_config.rope_theta
+        self.quant = vllm_config.quant_config.weight_block_size
+
+    def tie(self):
+        return self.config.tie_word_embeddings
+'''
+
+
+def test_config_reads_tells_fields_that_need_a_value_from_those_read_with_a_default() -> None:
+    from pytest_enginecheck.targets.vllm.remote_config import config_reads
+
+    reads = config_reads(MODEL_SOURCE)
+    # rope_theta: read with a default once and plainly once, so it needs a value; a method (get_text_config) and
+    # another config's field (quant_config.weight_block_size) are no fields
+    assert reads.required == {"hidden_size", "rms_norm_eps", "num_hidden_layers", "rope_theta", "tie_word_embeddings"}
+    assert reads.optional == {"partial_rotary_factor"}
+    # the model has a path without them (hasattr; a default that says off: None, 0), read plainly or not
+    assert reads.off == {"kv_lora_rank", "sliding_window", "num_experts"}
+
+
+def test_field_values_give_sizes_and_llama_defaults_and_name_a_field_no_rule_knows() -> None:
+    from pytest_enginecheck.targets.vllm.checkpoints import TINY_SIZES, NoTinyCheckpoint
+    from pytest_enginecheck.targets.vllm.remote_config import ConfigReads, config_reads, field_values
+
+    values = field_values("EctpModel", config_reads(MODEL_SOURCE))
+    assert values["hidden_size"] == TINY_SIZES["hidden_size"] and values["num_hidden_layers"] == 2
+    assert values["rms_norm_eps"] == 1e-6 and values["tie_word_embeddings"] is False
+    assert values["vocab_size"] == TINY_SIZES["vocab_size"]  # vLLM's engine reads it of every config
+    assert values["partial_rotary_factor"] == 1.0  # optional: a rule's value where one knows it
+    # off: a rule's value where one knows it (no rule gives an MLA rank a model need not have), none in the second try
+    assert values["num_experts"] == TINY_SIZES["num_experts"] and "kv_lora_rank" not in values
+    without_off = field_values("EctpModel", config_reads(MODEL_SOURCE), leave_off=True)
+    assert values.keys() - without_off.keys() == {"num_experts", "sliding_window"}
+    with pytest.raises(NoTinyCheckpoint, match=r"EctpModel reads the config field bskcn_tv, which no rule"):
+        field_values("EctpModel", ConfigReads(frozenset({"hidden_size", "bskcn_tv"}), frozenset()))
+
+
+def test_the_remote_config_module_defines_the_model_type_and_its_defaults(tmp_path: Path) -> None:
+    from pytest_enginecheck.targets.vllm.remote_config import (
+        AUTO_MAP,
+        CLASS_NAME,
+        MODULE_FILE,
+        RemoteConfig,
+        engine_args,
+    )
+
+    remote = RemoteConfig("EctpForCausalLM", "ectp", {"hidden_size": 64, "rope_parameters": {"rope_theta": 1.0}})
+    remote.write(tmp_path)
+    module = _load_file(tmp_path / MODULE_FILE, "ectp_configuration_enginecheck")
+    config = getattr(module, CLASS_NAME)(hidden_size=32)
+    assert config.model_type == "ectp" and config.hidden_size == 32
+    assert getattr(module, CLASS_NAME)().rope_parameters["rope_theta"] == 1.0
+    assert remote.config().auto_map == AUTO_MAP and remote.config().architectures == ["EctpForCausalLM"]
+    assert engine_args(tmp_path) == {}  # no config.json naming it yet
+    (tmp_path / "config.json").write_text(json.dumps({"auto_map": AUTO_MAP}))
+    assert engine_args(tmp_path) == {"trust_remote_code": True}
+
+
+CPU_MLA_TRACEBACK = '''\
+Traceback (most recent call last):
+  File "/venv/site-packages/vllm/model_executor/model_loader/utils.py", line 200, in process_weights_after_loading
+    module.process_weights_after_loading(act_dtype)
+  File "/venv/site-packages/vllm/v1/attention/backends/mla/amx_mla.py", line 303, in process_weights_after_loading
+    self._w_uk_packed = torch.ops._C.convert_weight_packed(w_uk_for_bmm)
+  File "/venv/site-packages/torch/_ops.py", line 1279, in __call__
+    return self._op(*args, **kwargs)
+RuntimeError: expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8(mxfp4 or int4).
+'''
+
+
+def test_the_cpu_mla_backends_float32_refusal_is_a_limit_only_in_its_own_frame() -> None:
+    from pytest_enginecheck.targets.vllm.failures import EngineFailure
+    from pytest_enginecheck.targets.vllm.limits import checker_limit
+
+    exception = "RuntimeError: expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8(mxfp4 or int4)."
+    limit = checker_limit(EngineFailure("load_model", 0, exception, "", CPU_MLA_TRACEBACK))
+    assert limit is not None and "amx_mla.py" in limit and "float32" in limit
+    elsewhere = CPU_MLA_TRACEBACK.replace("backends/mla/amx_mla.py", "models/my_model.py")
+    assert checker_limit(EngineFailure("load_model", 0, exception, "", elsewhere)) is None

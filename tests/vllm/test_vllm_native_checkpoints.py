@@ -1,6 +1,6 @@
 """Tiny checkpoints written from vLLM's side (targets/vllm/vllm_weights.py) for architectures transformers has no
 class for: vLLM's engine loads them and runs ``load[tp=1]``; a written tensor the model does not consume is a
-NoTinyCheckpoint naming it; a config only remote code defines is a NoTinyCheckpoint saying so."""
+NoTinyCheckpoint naming it (a config only remote code defines: test_vllm_remote_config.py)."""
 
 from __future__ import annotations
 
@@ -79,21 +79,3 @@ def test_the_round_trip_names_a_written_tensor_the_model_does_not_consume(in_chi
     assert first == second  # checkpoints.SEED: the same weights every time
     assert "tensors written but not consumed: " + UNCONSUMED in message, message
     assert "parameters not (wholly) loaded" not in message, message
-
-
-def _remote_code_only(workdir: str) -> str:
-    from pathlib import Path
-
-    from pytest_enginecheck.targets.vllm.checkpoints import NoTinyCheckpoint, make_tiny_checkpoint
-
-    try:
-        make_tiny_checkpoint("InternLM2ForCausalLM", Path(workdir) / "internlm2")
-    except NoTinyCheckpoint as e:
-        return str(e)
-    return "a checkpoint was made"
-
-
-def test_a_config_only_remote_code_defines_is_no_tiny_checkpoint_with_the_reason(in_child: Any, tmp_path: Any) -> None:
-    message = in_child(_remote_code_only, str(tmp_path))
-    assert "has no class 'InternLM2ForCausalLM'" in message, message
-    assert "its config comes from remote code" in message, message

@@ -64,6 +64,15 @@ ENGINE_ARGS: dict[str, Any] = {"skip_tokenizer_init": True, "enforce_eager": Tru
                                "max_num_batched_tokens": MAX_MODEL_LEN, "seed": 0}
 
 
+def checkpoint_args(ckpt: str) -> dict[str, Any]:
+    """vLLM's arguments the checkpoint at ``ckpt`` needs: a composite one's text decoder alone
+    (``composite.engine_args``), ``trust_remote_code`` for one whose config is the checker's remote config
+    (``remote_config.engine_args``)."""
+    from pytest_enginecheck.targets.vllm import remote_config
+
+    return {**text_only_args(ckpt), **remote_config.engine_args(ckpt)}
+
+
 class EngineStartError(Exception):
     """vLLM failed to start, generate or stop on some rank; ``failure`` says where."""
 
@@ -134,8 +143,8 @@ def _drive(ckpt: str, tp: int, mode: str, rank: int, extra: dict[str, Any],
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     try:
-        # extra may set the dtype; a composite checkpoint's text decoder runs alone (composite.engine_args)
-        llm = api.llm(model=ckpt, tensor_parallel_size=tp, **{**ENGINE_ARGS, **text_only_args(ckpt), **extra})
+        # extra may set the dtype; what the checkpoint needs (checkpoint_args): a composite's text decoder alone, ...
+        llm = api.llm(model=ckpt, tensor_parallel_size=tp, **{**ENGINE_ARGS, **checkpoint_args(ckpt), **extra})
     except Exception as e:  # noqa: BLE001 - reported by phase and rank
         raise EngineStartError(classify(e, rank), str(e)) from None
     seconds["start"] = time.perf_counter() - start

@@ -60,6 +60,15 @@ def _cpu_moe_router(failure: EngineFailure) -> str | None:
             "top-k, and the model's router scores otherwise")
 
 
+def _cpu_mla_float32(failure: EngineFailure) -> str | None:
+    file, function, _ = raised_in(failure.traceback, "vllm/")
+    if not (failure.exception.startswith("RuntimeError: expect weight to be bfloat16")
+            and file.endswith("attention/backends/mla/amx_mla.py") and function == "process_weights_after_loading"):
+        return None
+    return ("vLLM's CPU MLA backend (attention/backends/mla/amx_mla.py) packs its absorbed weights with a kernel that "
+            "takes bfloat16, float16 or int8 only, and the tiny checkpoint runs in float32")
+
+
 def _config_unreadable(failure: EngineFailure) -> str | None:
     if failure.phase != "config" or not any(file.endswith("vllm/transformers_utils/config.py")
                                              and function == "get_config" for file, function, _ in _frames(failure)):
@@ -78,8 +87,8 @@ def _short(file: str) -> str:
     return file.split("site-packages/", 1)[-1]
 
 
-LIMITS: tuple[Callable[[EngineFailure], str | None], ...] = (_no_triton, _cpu_moe_router, _config_unreadable,
-                                                              _schema_gap)
+LIMITS: tuple[Callable[[EngineFailure], str | None], ...] = (_no_triton, _cpu_moe_router, _cpu_mla_float32,
+                                                              _config_unreadable, _schema_gap)
 
 
 def checker_limit(failure: EngineFailure) -> str | None:

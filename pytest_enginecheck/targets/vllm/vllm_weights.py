@@ -62,6 +62,11 @@ WEIGHTS_FILE = "model.safetensors"
 FORK_TIMEOUT_S = 240.0
 
 
+class RemoteConfigOnly(NoTinyCheckpoint):
+    """Neither transformers nor vLLM's config registry has the architecture's config class: only the hub
+    checkpoint's remote code defines it (remote_config.py writes one)."""
+
+
 def _config_registry() -> Mapping[str, Any]:
     from pytest_enginecheck.targets.vllm.probe import find
 
@@ -91,17 +96,23 @@ def _model_modules(model_cls: type) -> list[Any]:
     return list(dict.fromkeys(m for m in modules if m is not None))
 
 
+def _architecture_to_model_type() -> Mapping[str, str]:
+    """vLLM's map of the architectures whose checkpoints name no model_type ({} where this vLLM has none)."""
+    from pytest_enginecheck.targets.vllm.probe import VllmUnavailable, find
+
+    try:
+        found: Mapping[str, str] = find(ARCHITECTURE_TO_MODEL_TYPE, "vLLM maps architectures to model types")
+    except VllmUnavailable:
+        return {}
+    return found
+
+
 def vllm_config_class(architecture: str, model_cls: type) -> tuple[str, type]:
     """The ``model_type`` the checkpoint's config.json names for ``architecture`` and the config class vLLM parses it
     with: vLLM's own architecture -> model type map, else the model module's name where vLLM's config registry has it
     (``step3p5``), else the one model type of the config classes the model's modules import (ChatGLM's
     ``ChatGLMConfig``). NoTinyCheckpoint where none is found (a config that only remote code defines)."""
-    from pytest_enginecheck.targets.vllm.probe import VllmUnavailable, find
-
-    try:
-        by_architecture: Mapping[str, str] = find(ARCHITECTURE_TO_MODEL_TYPE, "vLLM maps architectures to model types")
-    except VllmUnavailable:
-        by_architecture = {}
+    by_architecture = _architecture_to_model_type()
     modules = _model_modules(model_cls)
     candidates = [by_architecture.get(architecture)]
     candidates += [name for m in modules if (name := m.__name__.rsplit(".", 1)[-1]) in _config_registry()]
@@ -119,7 +130,7 @@ def vllm_config_class(architecture: str, model_cls: type) -> tuple[str, type]:
         assert config_cls is not None
         return model_type, config_cls
     where = ", ".join(m.__name__ for m in modules)
-    raise NoTinyCheckpoint(f"neither transformers nor vLLM's config registry has a config class for {architecture} "
+    raise RemoteConfigOnly(f"neither transformers nor vLLM's config registry has a config class for {architecture} "
                            f"(its modules {where} import "
                            f"{'the config classes of ' + ', '.join(resolved) if resolved else 'none vLLM resolves'}): "
                            f"its config comes from remote code")
@@ -132,7 +143,7 @@ def tiny_vllm_config(architecture: str, model_cls: type) -> Any:
     if getattr(model_cls, "supports_multimodal", False):
         raise NoTinyCheckpoint(f"vLLM's {architecture} is multimodal (supports_multimodal): the checkpoint written "
                                f"from vLLM's side shrinks text decoders only")
-    model_type, config_cls = vllm_config_class(architecture, model_cls)
+    model_type, config_cls = vllm_config_class(architecture, model_cls)  # RemoteConfigOnly: remote_config.py
     try:
         defaults = config_cls()
     except Exception as e:  # noqa: BLE001 - the config needs arguments the checker cannot know
@@ -152,24 +163,52 @@ def make_vllm_checkpoint(architecture: str, path: Path, model_cls: type | None =
                          reason: str = "") -> Path:
     """Write ``architecture``'s tiny checkpoint to ``path`` with weights from vLLM's model (the module docstring):
     config.json from ``config`` (default: ``tiny_vllm_config``), model.safetensors, round trip proven. ``reason``:
-    why transformers cannot make it, told first where no config class is found either."""
-    from engine_ref.isolation import run_isolated
+    why transformers cannot make it, told first where no config class is found either. Where only remote code
+    defines the config, the checker's remote configs (remote_config.py) in turn; the first one's reason where none
+    makes a checkpoint (``reason`` told first only where no config is found)."""
+    from pytest_enginecheck.targets.vllm import remote_config
 
-    if config is None:
+    if config is not None:
+        return _write(architecture, path, config)
+    try:
+        model_cls = model_cls or _model_class(architecture)
         try:
-            config = tiny_vllm_config(architecture, model_cls or _model_class(architecture))
+            configs: list[tuple[Any, Any]] = [(tiny_vllm_config(architecture, model_cls), None)]
+        except RemoteConfigOnly:  # the config the hub checkpoint's own code defines: the checker writes one
+            configs = [(remote.config(), remote) for remote in
+                       remote_config.tiny_remote_configs(architecture, model_cls, _architecture_to_model_type())]
+    except NoTinyCheckpoint as e:
+        raise NoTinyCheckpoint(f"{reason}; {e}" if reason else str(e)) from None
+    first: NoTinyCheckpoint | None = None
+    for tiny, remote in configs:  # a remote config: the model's full path first, then its path without "off" fields
+        try:
+            return _write(architecture, path, tiny, remote)
         except NoTinyCheckpoint as e:
-            raise NoTinyCheckpoint(f"{reason}; {e}" if reason else str(e)) from None
+            first = first or e
+    assert first is not None
+    raise first
+
+
+def _write(architecture: str, path: Path, config: Any, remote: Any = None) -> Path:
+    """Write config.json of ``config`` (with ``remote``'s configuration_enginecheck.py and auto_map, a
+    ``remote_config.RemoteConfig``), then the weights and the round trip in a fork; a half-made checkpoint is
+    removed before NoTinyCheckpoint goes on."""
+    from engine_ref.isolation import run_isolated
+    from pytest_enginecheck.targets.vllm import remote_config
+
     _import_in_parent()
     saved = json.loads(config.to_json_string(use_diff=False))
     saved.update(architectures=[architecture], dtype="float32")
     saved.update({k: v for k, v in hub_fields(saved).items() if k not in saved})
     path.mkdir(parents=True, exist_ok=True)
+    if remote is not None:
+        remote.write(path)
+        saved["auto_map"] = dict(remote_config.AUTO_MAP)
     (path / "config.json").write_text(json.dumps(saved, indent=2))
     try:
         run_isolated(_write_and_prove, str(path), timeout=FORK_TIMEOUT_S, name=f"vllm-weights:{architecture}")
     except NoTinyCheckpoint:
-        for name in ("config.json", WEIGHTS_FILE):  # a half-made checkpoint is no checkpoint
+        for name in ("config.json", WEIGHTS_FILE, remote_config.MODULE_FILE):  # a half-made checkpoint is none
             (path / name).unlink(missing_ok=True)
         raise
     return path
@@ -276,8 +315,7 @@ def _vllm_model(path: str) -> Iterator[_Builder]:
     process group (gloo) while the block runs, which gets the ``_Builder`` of its model."""
     import os
 
-    from pytest_enginecheck.targets.vllm.composite import engine_args as text_only_args
-    from pytest_enginecheck.targets.vllm.engine import ENGINE_ARGS
+    from pytest_enginecheck.targets.vllm.engine import ENGINE_ARGS, checkpoint_args
     from pytest_enginecheck.targets.vllm.env import cpu_engine_env
     from pytest_enginecheck.targets.vllm.probe import engine_api, find
 
@@ -286,7 +324,7 @@ def _vllm_model(path: str) -> Iterator[_Builder]:
     architecture = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
     engine_args = find(ENGINE_ARGS_CLASS, needed)
     try:
-        vllm_config = engine_args(model=path, **{**ENGINE_ARGS, **text_only_args(path)}).create_engine_config()
+        vllm_config = engine_args(model=path, **{**ENGINE_ARGS, **checkpoint_args(path)}).create_engine_config()
     except Exception as e:  # noqa: BLE001 - vLLM refusing the tiny config: the checker's limit
         raise NoTinyCheckpoint(f"vLLM refuses the tiny config of {architecture}: {type(e).__name__}: {e}") from None
     with find(CURRENT_CONFIG, needed)(vllm_config):

@@ -1,0 +1,80 @@
+"""Tiny checkpoints of architectures whose config only the hub checkpoint's remote code defines
+(targets/vllm/remote_config.py): the checker writes configuration_enginecheck.py with the fields vLLM's model reads,
+``auto_map`` names it, and vLLM's engine, started with ``trust_remote_code``, runs ``load[tp=1]`` on it; a field no
+rule gives a value is a NoTinyCheckpoint naming it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pytest_enginecheck.checks import CheckContext, CheckFailure
+
+ARCHITECTURE = "InternLM2ForCausalLM"  # dense, fused QKV (wqkv), the cheapest of them
+# A model whose module reads a field no rule of remote_config knows (InternLM2's, subclassed outside vLLM).
+UNKNOWN_FIELD = "ectp_window_pattern"
+UNKNOWN_MODEL = f'''\
+from vllm.model_executor.models.internlm2 import InternLM2ForCausalLM
+
+
+class EctpRemoteForCausalLM(InternLM2ForCausalLM):
+    def __init__(self, *, vllm_config, prefix=""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        hf_config = vllm_config.model_config.hf_config
+        self.window_pattern = hf_config.{UNKNOWN_FIELD}
+'''
+
+
+def _load(workdir: str) -> Any:
+    import os
+
+    from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
+
+    os.environ["VLLM_PLUGINS"] = "clean"  # not the test site's raising plugins (tests/vllm/plugin_dist.py)
+    ctx = CheckContext(check="load", spec="vllm", architecture=ARCHITECTURE, module="", class_name="",
+                       workdir=workdir, tp=1, budget_memory="512MiB", timeout=300.0)
+    try:
+        return CHECK_FUNCTIONS["load"](ctx)
+    except CheckFailure as e:
+        return e.message
+
+
+def test_load_tp1_runs_vllms_engine_on_a_checkpoint_with_the_checkers_remote_config(in_child: Any,
+                                                                                    tmp_path: Path) -> None:
+    from pytest_enginecheck.targets.vllm.checkpoints import CHECKPOINTS_DIR
+    from pytest_enginecheck.targets.vllm.remote_config import AUTO_MAP, CLASS_NAME, MODULE_FILE
+
+    detail = in_child(_load, str(tmp_path), timeout=480.0)
+    assert isinstance(detail, dict), detail
+    assert detail["tensor_parallel_size"] == 1 and len(detail["tokens"]) == 3
+    assert all(len(tokens) > 0 for tokens in detail["tokens"])
+    ckpt = tmp_path / CHECKPOINTS_DIR / ARCHITECTURE
+    written = json.loads((ckpt / "config.json").read_text())
+    assert written["architectures"] == [ARCHITECTURE] and written["model_type"] == "internlm2"
+    assert written["auto_map"] == AUTO_MAP == {"AutoConfig": f"configuration_enginecheck.{CLASS_NAME}"}
+    assert written["hidden_size"] == 64 and written["vocab_size"] == 256 and written["rms_norm_eps"] == 1e-6
+    source = (ckpt / MODULE_FILE).read_text()
+    assert f"class {CLASS_NAME}(PretrainedConfig)" in source and "model_type = 'internlm2'" in source
+
+
+def _unknown_field(workdir: str) -> str:
+    import importlib
+    import sys
+
+    from pytest_enginecheck.targets.vllm.checkpoints import NoTinyCheckpoint, make_tiny_checkpoint
+
+    (Path(workdir) / "ectp_remote_model.py").write_text(UNKNOWN_MODEL)
+    sys.path.insert(0, workdir)
+    model_cls = importlib.import_module("ectp_remote_model").EctpRemoteForCausalLM
+    try:
+        make_tiny_checkpoint("EctpRemoteForCausalLM", Path(workdir) / "ckpt", model_cls)
+    except NoTinyCheckpoint as e:
+        return str(e)
+    return "a checkpoint was made"
+
+
+def test_a_config_field_no_rule_knows_is_no_tiny_checkpoint_naming_it(in_child: Any, tmp_path: Path) -> None:
+    message = in_child(_unknown_field, str(tmp_path))
+    assert f"EctpRemoteForCausalLM reads the config field {UNKNOWN_FIELD}, which no rule" in message, message
+    assert not (tmp_path / "ckpt" / "config.json").exists()
