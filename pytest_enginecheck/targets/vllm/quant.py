@@ -56,7 +56,7 @@ class QuantScheme:
     weights: dict[str, Any]
     input_activations: dict[str, Any] | None
     activation_quantized: bool  # activations are quantized at run time (exact on the local oracle's inputs)
-    dtype: str  # the dtype vLLM's CPU kernel of the scheme computes in
+    dtype: str  # the dtype vLLM's CPU kernel of the scheme computes in (see engine_dtype)
 
     def quantization_config(self) -> dict[str, Any]:
         """``config.json``'s ``quantization_config``, as llm-compressor writes it."""
@@ -80,6 +80,19 @@ METHODS: dict[str, QuantScheme] = {
     "w4a16": QuantScheme("w4a16", "pack-quantized", _quant_args(4, "group", GROUP_SIZE), None,
                          activation_quantized=False, dtype="bfloat16"),
 }
+
+
+def engine_dtype(scheme: QuantScheme) -> str:
+    """The dtype vLLM runs ``scheme``'s checkpoints in here: the scheme's own, except int8 on a CPU with AMX tiles,
+    where vLLM 0.32 runs every W8A8 layer whose sizes fill the kernel's tiles through ``int8_scaled_mm_with_quant``
+    (``check_cpu_sgl_kernel``), which takes bfloat16 or half activations only ("expect A to be bfloat16 or half" in
+    float32). The local oracle holds in either dtype: the sums are exact, the tolerance one ulp of it."""
+    import torch
+
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return "bfloat16" if scheme.activation_quantized and amx else scheme.dtype
+
+
 NOT_OFFERED = {
     "fp8": "vLLM's CPU backend runs fp8 only with AMX (CPUFp8 kernels) or torch._scaled_mm; not built for the "
            "vLLM target yet: use int8 or w4a16",
@@ -356,7 +369,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     ckpt = _checkpoint(ctx)
     _verify_tp(ckpt, ctx.tp)
     quantized, dequantized = quantized_checkpoints(Path(ckpt), method, ctx.workdir)
-    args = {"dtype": scheme.dtype, WORKER_RPC: local_products}
+    dtype = engine_dtype(scheme)
+    args = {"dtype": dtype, WORKER_RPC: local_products}
     try:
         run_q = _start(ctx, str(quantized), ctx.tp, "warm", args)
     except CheckFailure as failure:
@@ -370,7 +384,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     layers = sorted(run_q.captures[0]["quantized"])
     experts = run_q.captures[0]["experts"]
     detail: dict[str, Any] = {
-        "quantization": method, "scheme": f"compressed-tensors {scheme.format}", "dtype": scheme.dtype,
+        "quantization": method, "scheme": f"compressed-tensors {scheme.format}", "dtype": dtype,
         "tensor_parallel_size": ctx.tp, "quantized_layers": layers, "kernels": sorted(set(methods.values())),
         "experts": experts, "tokens": run_q.tokens, "dequantized_tokens": run_d.tokens, "seconds": run_q.seconds}
     unquantized = _linear_failures(run_q)
@@ -379,7 +393,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
             f"With the {method} checkpoint, vLLM built {len(unquantized)} linear layer(s) of {ctx.architecture} "
             f"unquantized ({', '.join(unquantized[:6]) or 'every one'}): its layers must take the model's "
             f"quant_config and their module name as prefix.", {**detail, "kind": "not_quantized"})
-    differing, largest = compare_local(run_q, run_d, scheme.dtype)
+    differing, largest = compare_local(run_q, run_d, dtype)
     detail["largest_local_error"] = largest
     if differing:
         worst = differing[0]
