@@ -83,12 +83,22 @@ def _schema_gap(failure: EngineFailure) -> str | None:
     return f"the tiny config has no {found[2]}: {reason}" if found and reason else None
 
 
+def _needs_tokenizer(failure: EngineFailure) -> str | None:
+    found = re.fullmatch(r"ValueError: (\w+) requires a tokenizer and cannot be initialized when "
+                         r"`skip_tokenizer_init=True`\..*", failure.exception, re.DOTALL)
+    file, function, _ = raised_in(failure.traceback, "vllm/")
+    if not (found and file.endswith("vllm/multimodal/processing/processor.py") and function == "__init__"):
+        return None
+    return (f"vLLM's {found[1]} needs the checkpoint's tokenizer, and the checker's tiny checkpoint has none (vLLM "
+            f"starts on it with skip_tokenizer_init)")
+
+
 def _short(file: str) -> str:
     return file.split("site-packages/", 1)[-1]
 
 
 LIMITS: tuple[Callable[[EngineFailure], str | None], ...] = (_no_triton, _cpu_moe_router, _cpu_mla_float32,
-                                                              _config_unreadable, _schema_gap)
+                                                              _config_unreadable, _schema_gap, _needs_tokenizer)
 
 
 def checker_limit(failure: EngineFailure) -> str | None:

@@ -138,11 +138,11 @@ def vllm_config_class(architecture: str, model_cls: type) -> tuple[str, type]:
 
 def tiny_vllm_config(architecture: str, model_cls: type) -> Any:
     """The config vLLM parses ``architecture``'s checkpoint with, shrunk (tiny_text_config with VLLM_CONFIG_SIZES).
-    Text decoders only: a multimodal class's encoders have no shrink rule here (composite.py shrinks transformers'
-    composite configs), and building its model to find that out costs a fork of seconds per item."""
+    A multimodal class's composite config: its text decoder and encoders shrunk by vllm_multimodal.py."""
     if getattr(model_cls, "supports_multimodal", False):
-        raise NoTinyCheckpoint(f"vLLM's {architecture} is multimodal (supports_multimodal): the checkpoint written "
-                               f"from vLLM's side shrinks text decoders only")
+        from pytest_enginecheck.targets.vllm.vllm_multimodal import tiny_multimodal_config
+
+        return tiny_multimodal_config(architecture, model_cls)
     model_type, config_cls = vllm_config_class(architecture, model_cls)  # RemoteConfigOnly: remote_config.py
     try:
         defaults = config_cls()
