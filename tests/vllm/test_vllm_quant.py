@@ -121,7 +121,7 @@ def test_quant_on_llama_qwen2_and_mixtral(pytester: pytest.Pytester, tmp_path_fa
     """One --enginecheck session: Llama and Qwen2 pass every method at TP 1 and 2, every quantized layer bitwise
     equal to deq(W)'s (Llama is also the planted models' clean twin: they subclass it); Mixtral's experts have no MoE
     kernel on vLLM's CPU backend for w4a16, nor for int8 without AMX, so those items skip with vLLM's reason (with AMX
-    its int8 items pass: experts quantized, attention layers exact)."""
+    its int8 experts run, which the layer oracle does not compare: a skip saying so)."""
     from pytest_enginecheck.targets.vllm.quant import METHODS, engine_dtype
 
     _needs_kernel("int8", "w4a16")
@@ -142,14 +142,13 @@ def test_quant_on_llama_qwen2_and_mixtral(pytester: pytest.Pytester, tmp_path_fa
             assert fp8["outcome"] == "skipped" and "not offered by the vLLM target" in fp8["message"], fp8
             for method in ("int8", "w4a16"):
                 item = by_item[arch, f"quant[{method},tp={tp}]"]
-                if arch == "MixtralForCausalLM" and item["outcome"] == "passed":
-                    # vLLM 0.32 runs int8 experts on a CPU with AMX (bfloat16): quantized experts, exact attention
-                    assert method == "int8" and engine_dtype(METHODS[method]) == "bfloat16", item
-                    experts = item["detail"]["experts"]
-                    assert len(experts) == 2 and all(m.startswith("CompressedTensors") and m.endswith("MoEMethod")
-                                                     for m in experts.values()), item
-                    assert item["detail"]["largest_local_error"] == 0.0, item
-                    assert len(item["detail"]["quantized_layers"]) == 4, item  # 2 layers x qkv, o
+                if arch == "MixtralForCausalLM" and method == "int8" and engine_dtype(METHODS[method]) == "bfloat16":
+                    # vLLM 0.32 runs int8 experts on a CPU with AMX: the attention layers are compared and exact, the
+                    # experts are not (no oracle yet), so the item skips saying so instead of passing
+                    assert item["outcome"] == "skipped", item
+                    message = item["message"]
+                    assert message.startswith("MixtralForCausalLM's MoE experts run quantized with int8 ("), item
+                    assert message.endswith("its experts are not checked"), item
                 elif arch == "MixtralForCausalLM":
                     assert item["outcome"] == "skipped", item
                     assert "cannot run MixtralForCausalLM's MoE experts quantized" in item["message"], item
