@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
+from tests.vllm.load_check import load_tp1
 
 # UltravoxConfig (vLLM's): a Llama text decoder held as ``wrapped_model_config``, read from the hub's ``text_config``,
 # and a Whisper audio encoder; the cheapest of the multimodal checkpoints written from vLLM's side.
@@ -46,20 +46,6 @@ def test_a_multimodal_class_whose_config_is_one_part_says_so(in_child: Any) -> N
     assert "(CLIPVisionConfig, model_type 'clip_vision_model') holds no text decoder as a sub-config" in message
 
 
-def _load(workdir: str, architecture: str) -> Any:
-    import os
-
-    from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
-
-    os.environ["VLLM_PLUGINS"] = "clean"  # not the test site's raising plugins (tests/vllm/plugin_dist.py)
-    ctx = CheckContext(check="load", spec="vllm", architecture=architecture, module="", class_name="",
-                       workdir=workdir, tp=1, budget_memory="512MiB", timeout=300.0)
-    try:
-        return CHECK_FUNCTIONS["load"](ctx)
-    except (CheckFailure, CheckSkip) as e:
-        return f"{type(e).__name__}: {e}"
-
-
 def test_load_tp1_runs_vllms_engine_on_a_multimodal_checkpoint_written_from_vllms_side(in_child: Any,
                                                                                         tmp_path: Any) -> None:
     import json
@@ -68,7 +54,7 @@ def test_load_tp1_runs_vllms_engine_on_a_multimodal_checkpoint_written_from_vllm
 
     from pytest_enginecheck.targets.vllm.checkpoints import CHECKPOINTS_DIR
 
-    detail = in_child(_load, str(tmp_path), ULTRAVOX)
+    detail = in_child(load_tp1, str(tmp_path), ULTRAVOX)
     assert isinstance(detail, dict), detail
     assert detail["tensor_parallel_size"] == 1 and [len(t) for t in detail["tokens"]] == [6, 6, 6]
     path = tmp_path / CHECKPOINTS_DIR / ULTRAVOX

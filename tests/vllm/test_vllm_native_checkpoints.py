@@ -8,28 +8,13 @@ from typing import Any
 
 import pytest
 
-from pytest_enginecheck.checks import CheckContext, CheckFailure
+from tests.vllm.load_check import load_tp1
 
 # Configs of vLLM's own config registry (ChatGLM, Step3p5) and one transformers names otherwise (PhiMoE: phimoe);
 # dense, MoE with per-expert checkpoint tensors, fused QKV.
 NATIVE = ["ChatGLMModel", "PhiMoEForCausalLM", "Step3p5ForCausalLM"]
 # A name vLLM's AutoWeightsLoader skips without a word (rotary caches some checkpoints carry): written, never consumed.
 UNCONSUMED = "transformer.encoder.layers.0.self_attention.rotary_emb.inv_freq"
-
-
-def _load(workdir: str, architecture: str) -> Any:
-    import os
-
-    from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
-
-    os.environ["VLLM_PLUGINS"] = "clean"  # not the test site's raising plugins (tests/vllm/plugin_dist.py)
-
-    ctx = CheckContext(check="load", spec="vllm", architecture=architecture, module="", class_name="",
-                       workdir=workdir, tp=1, budget_memory="512MiB", timeout=300.0)
-    try:
-        return CHECK_FUNCTIONS["load"](ctx)
-    except CheckFailure as e:
-        return e.message
 
 
 @pytest.mark.parametrize("architecture", NATIVE)
@@ -39,7 +24,7 @@ def test_load_tp1_runs_vllms_engine_on_a_checkpoint_written_from_vllms_side(in_c
 
     from pytest_enginecheck.targets.vllm.checkpoints import CHECKPOINTS_DIR
 
-    detail = in_child(_load, str(tmp_path), architecture)
+    detail = in_child(load_tp1, str(tmp_path), architecture)
     assert isinstance(detail, dict), detail
     assert detail["tensor_parallel_size"] == 1 and len(detail["tokens"]) == 3
     assert all(len(tokens) > 0 for tokens in detail["tokens"])

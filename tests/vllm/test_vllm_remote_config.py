@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pytest_enginecheck.checks import CheckContext, CheckFailure
+from tests.vllm.load_check import load_tp1
 
 ARCHITECTURE = "InternLM2ForCausalLM"  # dense, fused QKV (wqkv), the cheapest of them
 # A model whose module reads a field no rule of remote_config knows (InternLM2's, subclassed outside vLLM).
@@ -26,26 +26,12 @@ class EctpRemoteForCausalLM(InternLM2ForCausalLM):
 '''
 
 
-def _load(workdir: str) -> Any:
-    import os
-
-    from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
-
-    os.environ["VLLM_PLUGINS"] = "clean"  # not the test site's raising plugins (tests/vllm/plugin_dist.py)
-    ctx = CheckContext(check="load", spec="vllm", architecture=ARCHITECTURE, module="", class_name="",
-                       workdir=workdir, tp=1, budget_memory="512MiB", timeout=300.0)
-    try:
-        return CHECK_FUNCTIONS["load"](ctx)
-    except CheckFailure as e:
-        return e.message
-
-
 def test_load_tp1_runs_vllms_engine_on_a_checkpoint_with_the_checkers_remote_config(in_child: Any,
                                                                                     tmp_path: Path) -> None:
     from pytest_enginecheck.targets.vllm.checkpoints import CHECKPOINTS_DIR
     from pytest_enginecheck.targets.vllm.remote_config import AUTO_MAP, CLASS_NAME, MODULE_FILE
 
-    detail = in_child(_load, str(tmp_path), timeout=480.0)
+    detail = in_child(load_tp1, str(tmp_path), ARCHITECTURE, timeout=480.0)
     assert isinstance(detail, dict), detail
     assert detail["tensor_parallel_size"] == 1 and len(detail["tokens"]) == 3
     assert all(len(tokens) > 0 for tokens in detail["tokens"])
