@@ -65,6 +65,36 @@ def test_load_tp1_runs_vllms_engine_on_a_multimodal_checkpoint_written_from_vllm
         assert {name.split(".")[0] for name in f.keys()} == {"language_model"}  # noqa: SIM118
 
 
+def _written(workdir: str, architecture: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...]], dict[str, Any]]:
+    """The tiny checkpoint of ``architecture`` (made and its round trip proven): its config.json, its tensors'
+    shapes, and vLLM's engine arguments for it."""
+    import json
+    import os
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from pytest_enginecheck.targets.vllm.checkpoints import make_tiny_checkpoint
+    from pytest_enginecheck.targets.vllm.engine import checkpoint_args
+    from pytest_enginecheck.targets.vllm.vllm_weights import _model_class
+
+    os.environ["VLLM_PLUGINS"] = "clean"  # not the test site's raising plugins (tests/vllm/plugin_dist.py)
+    path = make_tiny_checkpoint(architecture, Path(workdir) / architecture, _model_class(architecture))
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    return json.loads((path / "config.json").read_text()), shapes, checkpoint_args(str(path))
+
+
+def test_a_packed_layer_its_loader_takes_fused_is_written_whole(in_child: Any, tmp_path: Any) -> None:
+    # Moondream3's load_weights maps the hub's fused ``attn.qkv`` onto qkv_proj and has no q/k/v shard mapping
+    config, shapes, args = in_child(_written, str(tmp_path), "Moondream3ForCausalLM")
+    assert shapes["text.blocks.1.attn.qkv_proj.weight"] == (3 * 64, 64)
+    assert not [name for name in shapes if ".q_proj." in name]
+    # its text and vision configs are config.text / config.vision: vLLM lists it multimodal, so text-only
+    assert "text_config" not in config and args == {"language_model_only": True}
+    assert not [name for name in shapes if name.startswith("vision.")]  # the tower is not built, so not written
+
+
 def _whisper() -> Any:
     from pytest_enginecheck.targets.vllm.checkpoints import tiny_config
 

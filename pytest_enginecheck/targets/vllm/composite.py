@@ -161,10 +161,22 @@ def tiny_composite_config(config_cls: type, defaults: Any, tiny_text_config: Cal
 
 def engine_args(ckpt: str) -> dict[str, Any]:
     """vLLM's arguments for the checkpoint at ``ckpt``: ``language_model_only`` for a composite one (a config.json
-    with a ``text_config``), so vLLM builds no multimodal processor (it needs a tokenizer) and runs text prompts."""
+    with a ``text_config``) or a decoder-only one of an architecture vLLM lists as multimodal (Moondream3's text and
+    vision configs are ``config.text`` and ``config.vision``), so vLLM builds no multimodal processor (it needs a
+    tokenizer) and runs text prompts. Not for an encoder-decoder (Whisper): its decoder needs the encoder's output."""
     with open(os.path.join(ckpt, "config.json")) as f:
         config = json.load(f)
-    return {"language_model_only": True} if isinstance(config.get("text_config"), dict) else {}
+    text_only = isinstance(config.get("text_config"), dict) \
+        or (not config.get("is_encoder_decoder") and _is_multimodal(config))
+    return {"language_model_only": True} if text_only else {}
+
+
+def _is_multimodal(config: Mapping[str, Any]) -> bool:
+    """Whether the config.json ``config`` names an architecture vLLM's registry lists as multimodal."""
+    from pytest_enginecheck.targets.vllm.probe import probe
+
+    kinds = probe().model_kinds
+    return any(kinds.get(architecture) == "multimodal" for architecture in config.get("architectures") or ())
 
 
 def _collapsed(name: str) -> str:
