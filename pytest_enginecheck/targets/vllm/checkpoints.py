@@ -35,6 +35,13 @@ TINY_SIZES: dict[str, Any] = {
 }
 
 
+# Fields of a sub-config that the hub's checkpoints have and transformers' config class moved elsewhere, while a model
+# still reads them there, by (sub-config, field): the value from where the class keeps it. DBRX's attention's
+# rope_theta (transformers' DbrxConfig keeps it in rope_parameters; its own modeling_dbrx.py and vLLM's dbrx.py read
+# attn_config.rope_theta). The sub-config keeps it as an extra attribute and writes it to config.json.
+SUB_CONFIG_HUB_FIELDS: dict[tuple[str, str], Callable[[Any], Any]] = {
+    ("attn_config", "rope_theta"): lambda config: (getattr(config, "rope_parameters", None) or {}).get("rope_theta"),
+}
 EXPERT_COUNTS = ("num_local_experts", "num_experts")
 EXPERT_FIELDS = (*EXPERT_COUNTS, "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 
@@ -160,6 +167,10 @@ def tiny_config(architecture: str, model_cls: type | None = None) -> Any:
         config = composite.tiny_composite_config(config_cls, defaults, tiny_text_config)
     else:
         config = tiny_text_config(config_cls, defaults)
+    for (sub, field), value in SUB_CONFIG_HUB_FIELDS.items():
+        sub_config = getattr(config, sub, None)
+        if sub_config is not None and not hasattr(sub_config, field):
+            setattr(sub_config, field, value(config))
     config.architectures = [architecture]
     config.dtype = "float32"
     return config

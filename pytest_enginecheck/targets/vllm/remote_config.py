@@ -21,7 +21,8 @@ from __future__ import annotations
 import ast
 import inspect
 import json
-from collections.abc import Mapping
+import textwrap
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ CLASS_NAME = "EnginecheckConfig"
 AUTO_MAP = {"AutoConfig": f"{MODULE_FILE.removesuffix('.py')}.{CLASS_NAME}"}
 # Names whose attributes are reads of the model's config (``self.config`` is matched besides them).
 CONFIG_NAMES = frozenset({"config", "hf_config"})
+VLLM_MODULES = "vllm.model_executor."  # where vLLM's models and layers are
 ROPE_THETA = 10000.0
 # What a Llama-like config has, for the fields the model reads that are no size: norms, activation, RoPE, biases,
 # tying, and the MoE routing fields (every layer after the first MoE, one group, one shared expert).
@@ -51,14 +53,54 @@ LLAMA_DEFAULTS: dict[str, Any] = {
     "router_enable_expert_bias": False,
     # MiniCPM's muP scales at what makes them no-ops (a Llama): embeddings x1, residuals x1, logits x hidden / base
     "scale_emb": 1.0, "scale_depth": 1.0, "dim_model_base": TINY_SIZES["hidden_size"],
+    # K2Horizon's names of the MoE fields above (every layer MoE, softmax routing, no gate bias, no QK norm), its norms
+    # one group (an RMSNorm), its attention output gated by silu (one of the two gates its attention has), and its
+    # MoVA value experts off: they run a Triton kernel (fused_mova_impl), which vLLM's CPU backend lacks
+    "decoder_sparse_step": 1, "router_score_func": "softmax", "router_scaling_factor": 1.0, "moe_gate_bias": False,
+    "query_key_norm": False, "layernorm_num_groups": 1, "attention_gate_func": "silu", "mova_num_experts": 0,
+    "mova_num_experts_per_tok": 2,
+    # Plamo3's RoPE of its sliding-window layers; Bailing V3's short convolution of its KDA layers (Kimi Linear's 4);
+    # Solar's skip-connection mixing weights (training, inference), those of Upstage's checkpoint
+    "rope_local_theta": ROPE_THETA, "short_conv_kernel_size": 4, "bskcn_tv": [0.9, 0.8],
+    # Bailing V3's KDA layers without their low-rank gate projections, the only KDA vLLM builds (it raises otherwise)
+    "no_kda_lora": True,
 }
+# Sizes of fields only remote configs have: Bailing V3's shared expert (TINY_SIZES' shared_expert_intermediate_size),
+# K2Horizon's RoPE part of a head (half of it: its partial RoPE, folded into q/k at load).
+REMOTE_SIZES: dict[str, Any] = {"moe_shared_expert_intermediate_size": TINY_SIZES["shared_expert_intermediate_size"],
+                                "rope_head_dim": TINY_SIZES["head_dim"] // 2}
+# DeciLM's (Nemotron-NAS) block of a layer: attention with a KV head per query head group, a feed-forward of the tiny
+# intermediate size (given, not derived from ffn_mult: that rounds up to multiples of 256), neither a no-op.
+DECI_BLOCK: dict[str, dict[str, Any]] = {
+    "attention": {"no_op": False, "replace_with_linear": False,
+                  "n_heads_in_group": TINY_SIZES["num_attention_heads"] // TINY_SIZES["num_key_value_heads"]},
+    "ffn": {"no_op": False, "replace_with_linear": False, "intermediate_size": TINY_SIZES["intermediate_size"]},
+}
+SLIDING_WINDOW = 128  # the window of a sliding-attention layer: half the tiny max_position_embeddings
+# Fields whose values follow the tiny model's layers (its ``num_hidden_layers`` and ``layer_types``), each from what
+# vLLM's model does with it:
+# - ``layer_group_size`` (Bailing V2.5/V3): each group's last layer is full attention, the others linear, so a group
+#   of all the layers gives one of each kind at 2 layers (``tiny_layout``'s rule);
+# - ``bskcn_1``/``bskcn_2`` (Solar): the layers where a skip connection saves the hidden states and residual (from
+#   layer 1: layer 0 has no residual yet), ``bskcn_3``/``bskcn_4`` the layers where it mixes them back in (the last);
+# - ``interleaved_sliding_window`` (Plamo3): one window per layer, None for a full-attention layer of layer_types.
+LAYOUT_RULES: dict[str, Callable[[int, list[str]], Any]] = {
+    "layer_group_size": lambda layers, _: layers,
+    "bskcn_1": lambda layers, _: [1], "bskcn_2": lambda layers, _: [1],
+    "bskcn_3": lambda layers, _: [layers - 1], "bskcn_4": lambda layers, _: [layers - 1],
+    "interleaved_sliding_window": lambda _, types: [None if t == "full_attention" else SLIDING_WINDOW for t in types],
+    "block_configs": lambda layers, _: [DECI_BLOCK] * layers,
+}
+# Fields whose entries vLLM's model reads by attribute (``block_config.attention.no_op``), as the hub's config class
+# makes them (DeciLM's BlockConfig dataclasses): the config module gives them as dicts that read by attribute too.
+RECORD_FIELDS = frozenset({"block_configs"})
 # MLA's head sizes (DeepSeek's names): transformers' DeepseekV3Config's defaults, not shrunk (vLLM's MLA backends take
 # only the head sizes of real models, checkpoints.tiny_text_config).
 MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # The model_type of a checkpoint vLLM branches on (ModelArchConfigConvertor.is_deepseek_mla, the rope validation it
 # patches), where it is not the model module's name and vLLM's _ARCHITECTURE_TO_MODEL_TYPE does not have it.
 MODEL_TYPES = {"PanguUltraMoEForCausalLM": "pangu_ultra_moe", "SarvamMLAForCausalLM": "sarvam_mla",
-               "BailingMoeV2_5ForCausalLM": "bailing_hybrid"}
+               "BailingMoeV2_5ForCausalLM": "bailing_hybrid", "DeciLMForCausalLM": "nemotron-nas"}
 # What vLLM's engine reads of every text config (its ModelConfig), whether or not the model's module does.
 ENGINE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
                  "max_position_embeddings", "tie_word_embeddings")
@@ -120,11 +162,36 @@ def config_reads(source: str) -> ConfigReads:
     return ConfigReads(frozenset(required - off), frozenset(defaulted - required - off), frozenset(off))
 
 
+def _called(module: Any) -> frozenset[str]:
+    """The names ``module``'s source calls (``BailingMLP(...)``)."""
+    tree = ast.parse(inspect.getsource(module))
+    return frozenset(node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call)
+                     and isinstance(node.func, ast.Name))
+
+
+def _imported_layers(modules: list[Any]) -> list[type]:
+    """The layers ``modules`` import from vLLM's other modules and build with the model's config (Bailing V2.5's
+    ``BailingMLP`` from bailing_moe.py, ``BailingMoELinearAttention`` from layers/mamba/linear), whose constructors
+    read it too: nn.Module classes called there whose constructor takes a ``config``, not whole models (those have
+    ``load_weights``; a pooling model wrapping one reads only what it uses)."""
+    import torch
+
+    return list(dict.fromkeys(
+        obj for module in modules for name, obj in vars(module).items()
+        if isinstance(obj, type) and issubclass(obj, torch.nn.Module) and obj.__module__.startswith(VLLM_MODULES)
+        and inspect.getmodule(obj) not in modules and name in _called(module) and not hasattr(obj, "load_weights")
+        and "config" in inspect.signature(obj.__init__).parameters))
+
+
 def model_config_reads(model_cls: type) -> ConfigReads:
-    """The config fields read by the modules of vLLM's ``model_cls`` and of its nn.Module bases."""
+    """The config fields read by the modules of vLLM's ``model_cls`` and of its nn.Module bases, and by the classes
+    of vLLM's other model modules they import (``_imported_layers``)."""
     from pytest_enginecheck.targets.vllm.vllm_weights import _model_modules
 
-    reads = [config_reads(inspect.getsource(module)) for module in _model_modules(model_cls)]
+    modules = _model_modules(model_cls)
+    sources = [inspect.getsource(m) for m in modules]
+    sources += [textwrap.dedent(inspect.getsource(c)) for c in _imported_layers(modules)]
+    reads = [config_reads(source) for source in sources]
     off = frozenset().union(*(r.off for r in reads))
     required = frozenset().union(*(r.required for r in reads)) - off
     return ConfigReads(required, frozenset().union(*(r.optional for r in reads)) - required - off, off)
@@ -144,6 +211,13 @@ def _mla_sizes() -> dict[str, Any]:
     return {field: getattr(defaults, field) for field in MLA_FIELDS}
 
 
+def layout_values(layers: int, layer_types: list[str] | None, fields: frozenset[str]) -> dict[str, Any]:
+    """The LAYOUT_RULES values of ``fields`` for a model of ``layers`` layers of ``layer_types`` (each full attention
+    where None)."""
+    types = list(layer_types or ["full_attention"] * layers)
+    return {field: rule(layers, types) for field, rule in LAYOUT_RULES.items() if field in fields}
+
+
 def field_values(architecture: str, reads: ConfigReads, leave_off: bool = False) -> dict[str, Any]:
     """A value for each field of ``reads.required`` (and ENGINE_FIELDS) by the rules of the module docstring, and
     for the optional and off fields a rule knows (the off fields left out with ``leave_off``). NoTinyCheckpoint
@@ -155,7 +229,8 @@ def field_values(architecture: str, reads: ConfigReads, leave_off: bool = False)
     wanted = (reads.required | frozenset(ENGINE_FIELDS)) - (reads.off if leave_off else frozenset())
     optional = reads.optional | (frozenset() if leave_off else reads.off - wanted)
     sizes = tiny_sizes({field: TINY_SIZES.get(field) for field in wanted | optional})
-    rules: dict[str, Any] = {**ENCODER_SIZES, **LLAMA_DEFAULTS, **VLLM_CONFIG_SIZES, **sizes}
+    rules: dict[str, Any] = {**ENCODER_SIZES, **LLAMA_DEFAULTS, **REMOTE_SIZES, **VLLM_CONFIG_SIZES, **sizes}
+    rules.update(layout_values(rules["num_hidden_layers"], rules.get("layer_types"), wanted | optional))
     if any(field in wanted for field in MLA_FIELDS):
         rules.update(_mla_sizes())
     unknown = sorted(wanted - rules.keys() - BASE_ATTRIBUTES)
@@ -172,13 +247,29 @@ def config_module(model_type: str, values: Mapping[str, Any]) -> str:
     constructor defaults are ``values`` (JSON values, written as Python literals)."""
     lines = [f'"""The tiny config pytest-enginecheck wrote for a checkpoint of model_type {model_type!r}."""',
              "", "import copy", "", "from transformers import PretrainedConfig", "", "",
-             f"DEFAULTS = {values!r}", "", "",
+             f"DEFAULTS = {values!r}",
+             f"RECORD_FIELDS = {sorted(RECORD_FIELDS & values.keys())!r}", "", "",
+             "class Record(dict):",
+             '    """A dict whose keys read as attributes too (a field the model reads by attribute)."""', "",
+             "    def __getattr__(self, name):",
+             "        try:",
+             "            return self[name]",
+             "        except KeyError:",
+             "            raise AttributeError(name) from None", "", "",
+             "def record(value):",
+             '    """``value`` with every dict in it a Record."""',
+             "    if isinstance(value, dict):",
+             "        return Record({key: record(item) for key, item in value.items()})",
+             "    if isinstance(value, list):",
+             "        return [record(item) for item in value]",
+             "    return value", "", "",
              f"class {CLASS_NAME}(PretrainedConfig):",
              f'    """model_type {model_type!r}: every field vLLM\'s model reads, with its tiny default."""', "",
              f"    model_type = {model_type!r}", "",
              "    def __init__(self, **kwargs):",
              "        for name, value in DEFAULTS.items():",
-             "            setattr(self, name, copy.deepcopy(kwargs.pop(name, value)))",
+             "            value = copy.deepcopy(kwargs.pop(name, value))",
+             "            setattr(self, name, record(value) if name in RECORD_FIELDS else value)",
              "        super().__init__(**kwargs)", ""]
     return "\n".join(lines)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -60,15 +61,21 @@ DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["
 WEIGHT_STD = 0.02  # transformers' usual initializer_range
 WEIGHTS_FILE = "model.safetensors"
 FORK_TIMEOUT_S = 240.0
+EXPERT_LAYOUTS = (False, True)  # a fused MoE's checkpoint tensors: per expert, then stacked (checkpoint_shapes)
 
 
 class NotRoundTripped(NoTinyCheckpoint):
     """The written checkpoint does not round-trip through ``load_weights``; ``unloaded``: the parameters it left
-    not (wholly) loaded."""
+    not (wholly) loaded; ``unconsumed``: the tensors that changed no parameter."""
 
-    def __init__(self, unloaded: list[str], message: str) -> None:
+    def __init__(self, unloaded: list[str], message: str, unconsumed: list[str] | None = None) -> None:
         super().__init__(message)
         self.unloaded = unloaded
+        self.unconsumed = unconsumed or []
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with its fields (it leaves the fork that makes the checkpoint)."""
+        return type(self), (self.unloaded, str(self), self.unconsumed)
 
 
 class RemoteConfigOnly(NoTinyCheckpoint):
@@ -133,16 +140,34 @@ def vllm_config_class(architecture: str, model_cls: type) -> tuple[str, type]:
     imported = {getattr(o, "model_type", "") for m in modules for o in vars(m).values()
                 if isinstance(o, type) and issubclass(o, PretrainedConfig) and o is not PretrainedConfig}
     resolved = sorted(t for t in imported if t and _resolve(t) is not None)
+    missing: list[str] = []
     if len(resolved) == 1:
         model_type = resolved[0]
         config_cls = _resolve(model_type)
         assert config_cls is not None
-        return model_type, config_cls
+        missing = _unread(model_cls, config_cls)
+        if not missing:
+            return model_type, config_cls
     where = ", ".join(m.__name__ for m in modules)
+    if missing:  # DeciLM's modules import LlamaConfig, and read block_configs, which only its remote config has
+        raise RemoteConfigOnly(f"the config class {resolved[0]!r} that {architecture}'s modules import has no "
+                               f"{', '.join(missing)}, which the model reads: its config comes from remote code")
     raise RemoteConfigOnly(f"neither transformers nor vLLM's config registry has a config class for {architecture} "
                            f"(its modules {where} import "
                            f"{'the config classes of ' + ', '.join(resolved) if resolved else 'none vLLM resolves'}): "
                            f"its config comes from remote code")
+
+
+def _unread(model_cls: type, config_cls: type) -> list[str]:
+    """The config fields vLLM's ``model_cls`` reads without a default (remote_config.model_config_reads) that the
+    default ``config_cls`` has not."""
+    from pytest_enginecheck.targets.vllm.remote_config import model_config_reads
+
+    try:
+        defaults = config_cls()
+    except Exception:  # noqa: BLE001 - judged where the tiny config is built (tiny_vllm_config)
+        return []
+    return sorted(field for field in model_config_reads(model_cls).required if not hasattr(defaults, field))
 
 
 def tiny_vllm_config(architecture: str, model_cls: type) -> Any:
@@ -256,34 +281,57 @@ def _model_class(architecture: str) -> type:
 
 
 def _write_and_prove(path: str) -> None:
-    """In a fork: build vLLM's model, write its checkpoint tensors, prove the round trip."""
+    """In a fork: build vLLM's model, write its checkpoint tensors, prove the round trip; a fused MoE's experts one
+    tensor per expert and projection first, then stacked (EXPERT_LAYOUTS), the first layout's reason where neither
+    round-trips."""
     with _vllm_model(path) as build:
         model = build()
-        try:
-            shapes = checkpoint_shapes(model)
-        except Exception as e:  # noqa: BLE001 - a layer the splitting rules do not know: the checker's limit
-            raise NoTinyCheckpoint(f"the checker cannot split the parameters of vLLM's {build.architecture} into "
-                                   f"checkpoint tensors: {type(e).__name__}: {e}") from None
-        _save_random(shapes, Path(path))
-        try:
-            _prove(model, Path(path))
-        except NotRoundTripped as split:
-            # a packed layer its loader did not fill from the shards: the hub checkpoint holds it fused (Moondream's
-            # ``qkv``), so it is written whole, and the round trip is proven again
-            whole = {name.rpartition(".")[0] for name in split.unloaded} & set(_packed_layers(model))
-            if not whole:
-                raise
-            _save_random(checkpoint_shapes(model, whole), Path(path))
-            _prove(model, Path(path))
+        first: NoTinyCheckpoint | None = None
+        for stacked in EXPERT_LAYOUTS if _has_fused_moe(model) else EXPERT_LAYOUTS[:1]:
+            try:
+                _write_layout(model, build.architecture, Path(path), stacked)
+                return
+            except NoTinyCheckpoint as e:
+                first = first or e
+        assert first is not None
+        raise first
 
 
-def _save_random(shapes: Mapping[str, tuple[tuple[int, ...], Any, bool]], path: Path) -> None:
-    """Write random tensors of ``shapes`` (``checkpoint_shapes``) under ``checkpoints.SEED`` to ``path``."""
+def _write_layout(model: Any, architecture: str, path: Path, stacked_experts: bool) -> None:
+    """Write ``model``'s checkpoint tensors to ``path`` (``checkpoint_shapes``) and prove the round trip; where it
+    fails, write them again as the model's loader takes them and prove it again: a packed layer it did not fill from
+    the shards whole, a tensor it did not consume under the name its loader maps to the parameter
+    (``_consumed_name``)."""
+    try:
+        shapes = checkpoint_shapes(model, stacked_experts=stacked_experts)
+    except Exception as e:  # noqa: BLE001 - a layer the splitting rules do not know: the checker's limit
+        raise NoTinyCheckpoint(f"the checker cannot split the parameters of vLLM's {architecture} into "
+                               f"checkpoint tensors: {type(e).__name__}: {e}") from None
+    _save_random(shapes, path)
+    try:
+        _prove(model, path)
+    except NotRoundTripped as split:
+        # a packed layer its loader did not fill from the shards: the hub checkpoint holds it fused (Moondream's
+        # ``qkv``), so it is written whole, and the round trip is proven again
+        whole = {name.rpartition(".")[0] for name in split.unloaded} & set(_packed_layers(model))
+        renamed = {name: found for name in split.unconsumed if (found := _consumed_name(model, name, shapes[name]))}
+        if not whole and not renamed:
+            raise
+        _save_random(checkpoint_shapes(model, whole, stacked_experts), path, renamed)
+        _prove(model, path)
+
+
+def _save_random(shapes: Mapping[str, tuple[tuple[int, ...], Any, bool]], path: Path,
+                 renamed: Mapping[str, str] | None = None) -> None:
+    """Write random tensors of ``shapes`` (``checkpoint_shapes``) under ``checkpoints.SEED`` to ``path``, those of
+    ``renamed`` under its name for them."""
     import torch
     from safetensors.torch import save_file
 
     torch.manual_seed(SEED)
-    tensors = {name: _random(shape, dtype, norm) for name, (shape, dtype, norm) in sorted(shapes.items())}
+    names = renamed or {}
+    tensors = {names.get(name, name): _random(shape, dtype, norm)
+               for name, (shape, dtype, norm) in sorted(shapes.items())}
     save_file(tensors, str(path / WEIGHTS_FILE))
 
 
@@ -403,9 +451,20 @@ def _packed_layers(model: Any) -> list[str]:
             if len(packed.get(name.rpartition(".")[2], [])) == len(getattr(module, "output_sizes", None) or []) > 1]
 
 
-def checkpoint_shapes(model: Any, whole: Collection[str] = ()) -> dict[str, tuple[tuple[int, ...], Any, bool]]:
+def _has_fused_moe(model: Any) -> bool:
+    """Whether ``model`` has a fused MoE layer (FUSED_MOE)."""
+    from pytest_enginecheck.targets.vllm.probe import find
+
+    fused_moe = find(FUSED_MOE, "the tiny checkpoint splits fused experts with")
+    return any(isinstance(module, fused_moe) for module in model.modules())
+
+
+def checkpoint_shapes(model: Any, whole: Collection[str] = (), stacked_experts: bool = False
+                      ) -> dict[str, tuple[tuple[int, ...], Any, bool]]:
     """The checkpoint tensors vLLM's TP=1 ``model`` loads: name -> (shape, dtype, whether a norm's weight); the
-    packed layers named in ``whole`` as one tensor each, not split into their shards."""
+    packed layers named in ``whole`` as one tensor each, not split into their shards. A fused MoE's experts one
+    tensor per expert and projection, or with ``stacked_experts`` one per projection, the experts along its first
+    dimension (Step3Text's ``moe.gate_proj.weight``)."""
     from pytest_enginecheck.targets.vllm.probe import find
 
     fused_moe = find(FUSED_MOE, "the tiny checkpoint splits fused experts with")
@@ -416,7 +475,7 @@ def checkpoint_shapes(model: Any, whole: Collection[str] = ()) -> dict[str, tupl
         module = model.get_submodule(owner)
         norm = "norm" in type(module).__name__.lower() and param.dim() == 1
         if isinstance(module, fused_moe):
-            for ckpt_name, shape in _expert_shapes(model, module, name, attr, param):
+            for ckpt_name, shape in _expert_shapes(model, module, name, attr, param, stacked_experts):
                 shapes[_unmapped(model, ckpt_name)] = (shape, param.dtype, False)
             continue
         leaf = owner.rpartition(".")[2]
@@ -432,11 +491,14 @@ def checkpoint_shapes(model: Any, whole: Collection[str] = ()) -> dict[str, tupl
     return shapes
 
 
-def _expert_shapes(model: Any, moe: Any, name: str, attr: str, param: Any) -> Iterator[tuple[str, tuple[int, ...]]]:
+def _expert_shapes(model: Any, moe: Any, name: str, attr: str, param: Any, stacked: bool = False
+                   ) -> Iterator[tuple[str, tuple[int, ...]]]:
     """The per-expert checkpoint tensors of a fused MoE parameter ``name`` (``w13_weight``: each expert's gate and up
     projections, halves of its second dimension; ``w2_weight``: each expert's down projection), named as the
-    mapping names them below the MoE block (the module above ``.experts.``)."""
+    mapping names them below the MoE block (the module above ``.experts.``). ``stacked``: one tensor per projection
+    of all the experts, named without the expert (``experts.0.gate_proj.`` -> ``gate_proj.``)."""
     block = name[: name.rfind(".experts.") + 1]
+    seen: set[str] = set()
     for param_part, weight_part, _expert, shard in _expert_mapping(model, moe):
         token = param_part.rpartition(".")[2]  # "w13_"
         if not attr.startswith(token):
@@ -444,10 +506,49 @@ def _expert_shapes(model: Any, moe: Any, name: str, attr: str, param: Any) -> It
         per_expert = tuple(param.shape[1:])
         if shard in ("w1", "w3") and per_expert and attr.startswith("w13_"):
             per_expert = (per_expert[0] // 2, *per_expert[1:])
-        if weight_part.startswith("experts.") and block:
-            yield f"{block}{weight_part}{attr[len(token):]}", per_expert
+        if stacked:
+            weight_part = re.sub(r"(^|\.)experts\.\d+\.", r"\1", weight_part)
+            per_expert = (param.shape[0], *per_expert)
+        if (weight_part.startswith("experts.") or stacked) and block:
+            ckpt_name = f"{block}{weight_part}{attr[len(token):]}"
         else:
-            yield name.replace(param_part, weight_part, 1), per_expert
+            ckpt_name = name.replace(param_part, weight_part, 1)
+        if ckpt_name not in seen:
+            seen.add(ckpt_name)
+            yield ckpt_name, per_expert
+
+
+def _unchanged(params: Mapping[str, Any], before: Mapping[str, Any]) -> bool:
+    """Whether every parameter of ``params`` equals its copy in ``before``, a NaN (a parameter the round trip left
+    unloaded) equal to a NaN."""
+    import torch
+
+    return all(torch.equal(torch.nan_to_num(p, nan=math.inf), torch.nan_to_num(before[n], nan=math.inf))
+               for n, p in params.items())
+
+
+def _consumed_name(model: Any, name: str, shape: tuple[tuple[int, ...], Any, bool]) -> str | None:
+    """The name, one module shorter than ``name``, under which ``load_weights`` takes a tensor of ``shape``
+    (IQuestLoopCoder's ``gate_projections.0.weight``, which its loader maps to the parameter
+    ``gate_projections.0.gate_proj.weight``): the first that changes a parameter, None where none does."""
+    import torch
+
+    params = dict(model.named_parameters())
+    parts = name.split(".")
+    for i in range(len(parts) - 2, 0, -1):  # never the tensor's own attribute, never the top module, never an index
+        if parts[i].isdigit():
+            continue
+        candidate = ".".join(parts[:i] + parts[i + 1:])
+        tensor = _random(*shape) - 1  # other values than any parameter holds
+        before = {n: p.detach().clone() for n, p in params.items()}
+        try:
+            with torch.no_grad():
+                model.load_weights(iter([(candidate, tensor)]))
+        except Exception:  # noqa: BLE001 - a name the loader has no parameter for: not this one
+            continue
+        if not _unchanged(params, before):
+            return candidate
+    return None
 
 
 def _prove(model: Any, path: Path) -> None:
@@ -477,7 +578,7 @@ def _prove(model: Any, path: Path) -> None:
                 continue
             try:
                 model.load_weights(iter([(name, -tensor - 1)]))  # other values (-t - 1 equals t only at -0.5)
-                if all(torch.equal(p, before[n]) for n, p in params.items()):
+                if _unchanged(params, before):
                     unconsumed.append(name)
                 model.load_weights(iter([(name, tensor)]))
             except Exception as e:  # noqa: BLE001 - a loader that takes a tensor only beside others
@@ -488,4 +589,4 @@ def _prove(model: Any, path: Path) -> None:
             unloaded, "the tiny checkpoint written from vLLM's parameters does not round-trip through load_weights: "
             + (f"parameters not (wholly) loaded: {', '.join(unloaded)}" if unloaded else "")
             + ("; " if unloaded and unconsumed else "")
-            + (f"tensors written but not consumed: {', '.join(unconsumed)}" if unconsumed else ""))
+            + (f"tensors written but not consumed: {', '.join(unconsumed)}" if unconsumed else ""), unconsumed)
