@@ -98,9 +98,13 @@ CHECK_SPECS = (
                       "product on every rank at TP=N, on inputs its activation quantization represents exactly, "
                       "equals bitwise that of the unquantized layer holding deq(W) on the dequantized twin at the "
                       "same TP size (every sum is exact, so the bound is one rounding into the dtype; a scale 5 % off "
-                      "is named with its layer, rank and ratio 1.05); MoE experts that vLLM's CPU backend cannot run "
-                      "quantized with the method skip with vLLM's reason, and those it runs quantized skip saying "
-                      "so after their linear layers are compared (no oracle covers fused experts yet)")),
+                      "is named with its layer, rank and ratio 1.05); fused MoE experts it runs quantized (int8 with "
+                      "AMX) get every expert on a fixed routing, each rank's output within a bound derived from the "
+                      "scheme (the intermediate rounded into the dtype and quantized per token, each expert's output "
+                      "and their sum rounded once) around the dequantized experts' on that rank's shard, computed "
+                      "in float64 (a down projection scale 5 % off in one expert of layer 1 is named at TP 1 and 2); "
+                      "MoE experts that vLLM's CPU backend cannot run quantized with the method skip with vLLM's "
+                      "reason")),
 )
 SPECS = {spec.name: spec for spec in CHECK_SPECS}
 CHECKS = tuple(SPECS)

@@ -365,3 +365,27 @@ class EctpQuantShardForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights):
         return super().load_weights((name, _rank0_scales(name, w)) for name, w in weights)
 '''
+
+# The expert oracle's planted bug: in a Mixtral, layer 1's expert 2's down projection weight_scale 5 % too large at
+# every TP size (experts 0 and 1, layer 0 and every linear layer right).
+ENTRY_POINTS["quant_expert"] = "ectp.quant_expert_bug:register"
+SOURCES["ectp/quant_expert_bug.py"] = '''\
+def register():
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model("EctpQuantExpertForCausalLM", "ectp.models.quant_expert:EctpQuantExpertForCausalLM")
+'''
+SOURCES["ectp/models/quant_expert.py"] = '''\
+from vllm.model_executor.models.mixtral import MixtralForCausalLM
+
+
+def _scale_off(name, weight):
+    if name == "model.layers.1.block_sparse_moe.experts.2.w2.weight_scale":
+        return weight * 1.05
+    return weight
+
+
+class EctpQuantExpertForCausalLM(MixtralForCausalLM):
+    def load_weights(self, weights):
+        return super().load_weights((name, _scale_off(name, w)) for name, w in weights)
+'''

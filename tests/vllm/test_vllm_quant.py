@@ -41,7 +41,7 @@ def _quant(workdir: str, architecture: str, method: str, tps: tuple[int, ...]) -
 
     from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
 
-    os.environ["VLLM_PLUGINS"] = "clean,quant_scale,quant_shard"
+    os.environ["VLLM_PLUGINS"] = "clean,quant_scale,quant_shard,quant_expert"
     results: dict[int, Any] = {}
     for tp in tps:
         ctx = CheckContext(check="quant", spec="vllm", architecture=architecture, module="", class_name="",
@@ -103,6 +103,25 @@ def test_quant_tp1_names_layer1_down_proj_whose_scale_is_5_percent_off(in_child:
     assert len(detail["differing"]) == 1 and worst["ratio"] == pytest.approx(1.05, abs=4e-3), detail["differing"]
 
 
+def test_quant_experts_name_layer1_whose_expert2_down_scale_is_5_percent_off(in_child: Any, tmp_path: Any) -> None:
+    """The expert oracle (quant_experts) at TP 1 and 2: the planted Mixtral's linear layers and layer 0's experts
+    are right, layer 1's expert 2 scales its down projection by 1.05; the items fail naming layer 1's experts."""
+    from pytest_enginecheck.targets.vllm.quant import METHODS, engine_dtype
+
+    _needs_kernel("int8")
+    if engine_dtype(METHODS["int8"]) != "bfloat16":
+        pytest.skip("vLLM's CPU backend runs int8 MoE experts only with AMX tiles (elsewhere the item skips)")
+    results = in_child(_quant, str(tmp_path), "EctpQuantExpertForCausalLM", "int8", (1, 2), timeout=1200.0)
+    for tp in (1, 2):
+        assert isinstance(results[tp], tuple), results[tp]
+        message, detail = results[tp]
+        assert message.startswith("The int8 MoE experts model.layers.1.block_sparse_moe.experts.") and (
+            f" of EctpQuantExpertForCausalLM at tensor_parallel_size={tp} (rank " in message), message
+        assert detail["kind"] == "expert_mismatch" and detail["largest_local_error"] == 0.0, detail
+        assert {d["name"].split(".")[2] for d in detail["differing"]} == {"1"}, detail["differing"]
+        assert {d["rank"] for d in detail["differing"]} == set(range(tp)), detail["differing"]
+
+
 @pytest.mark.parametrize("method", ["int8", "w4a16"])
 def test_quant_tp2_names_the_rank_whose_gate_proj_scale_is_sharded_wrongly(in_child: Any, tmp_path: Any,
                                                                           method: str) -> None:
@@ -121,7 +140,7 @@ def test_quant_on_llama_qwen2_and_mixtral(pytester: pytest.Pytester, tmp_path_fa
     """One --enginecheck session: Llama and Qwen2 pass every method at TP 1 and 2, every quantized layer bitwise
     equal to deq(W)'s (Llama is also the planted models' clean twin: they subclass it); Mixtral's experts have no MoE
     kernel on vLLM's CPU backend for w4a16, nor for int8 without AMX, so those items skip with vLLM's reason (with AMX
-    its int8 experts run, which the layer oracle does not compare: a skip saying so)."""
+    its int8 experts run and pass the expert oracle)."""
     from pytest_enginecheck.targets.vllm.quant import METHODS, engine_dtype
 
     _needs_kernel("int8", "w4a16")
@@ -143,12 +162,12 @@ def test_quant_on_llama_qwen2_and_mixtral(pytester: pytest.Pytester, tmp_path_fa
             for method in ("int8", "w4a16"):
                 item = by_item[arch, f"quant[{method},tp={tp}]"]
                 if arch == "MixtralForCausalLM" and method == "int8" and engine_dtype(METHODS[method]) == "bfloat16":
-                    # vLLM 0.32 runs int8 experts on a CPU with AMX: the attention layers are compared and exact, the
-                    # experts are not (no oracle yet), so the item skips saying so instead of passing
-                    assert item["outcome"] == "skipped", item
-                    message = item["message"]
-                    assert message.startswith("MixtralForCausalLM's MoE experts run quantized with int8 ("), item
-                    assert message.endswith("its experts are not checked"), item
+                    # vLLM 0.32 runs int8 experts on a CPU with AMX: the attention layers are exact, the experts
+                    # within the expert oracle's derived bound
+                    assert item["outcome"] == "passed", item
+                    detail = item["detail"]
+                    assert detail["largest_local_error"] == 0.0 and 0 < detail["largest_expert_error_share"] <= 1, item
+                    assert len(detail["experts"]) == 2, item
                 elif arch == "MixtralForCausalLM":
                     assert item["outcome"] == "skipped", item
                     assert "cannot run MixtralForCausalLM's MoE experts quantized" in item["message"], item

@@ -25,6 +25,8 @@ measured on the tiny Llama (TP=1, raw logits, top 20 of every position), a scale
 moves them by 4.6e-3 for int8, where a correct engine is already 4.5e-3 from the oracle (activation quantization),
 and by nothing visible for w4a16 in bfloat16 (3.9e-3 both, 2 bfloat16 ulps): no end-to-end bound separates them.
 On a mismatch the failure names the layer, the rank and the ratio to deq(W)'s product (1.05 for that scale).
+Fused MoE experts that run quantized are compared by their own oracle (``quant_experts``: each rank's experts on a
+fixed routing against the dequantized experts' in float64, within a bound derived from the scheme).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -252,28 +255,26 @@ def local_input(name: str, rank: int, rows: int, width: int, dtype: Any) -> Any:
     return (q.to(torch.float32) * INPUT_UNIT).to(dtype)
 
 
-def local_products(worker: Any) -> dict[str, Any]:
+def local_products(worker: Any, dequantized: str | None = None) -> dict[str, Any]:
     """On each rank (``collective_rpc``): every linear layer's own product (its quant method's ``apply``, before
     any collective, no bias) of ``local_input``, with its quant method's (or scheme's) name, the names of those
-    compressed-tensors quantized, and the MoE layers' quant methods by name."""
+    compressed-tensors quantized, and the fused MoE layers by name: their quant method's name, and given the
+    ``dequantized`` twin's path what the expert oracle compares (``quant_experts.expert_products``)."""
     import torch
 
     from pytest_enginecheck.targets.vllm.probe import worker_model
+    from pytest_enginecheck.targets.vllm.quant_experts import EXPERT_MODULES, expert_products
 
     model = worker_model(worker)
     dtype = worker.model_config.dtype
     rank = int(getattr(worker, "rank", 0))
     products: dict[str, Any] = {}
     methods: dict[str, str] = {}
-    experts: dict[str, str] = {}
     quantized: list[str] = []
     with torch.inference_mode():
         for name, module in model.named_modules():
             method = getattr(module, "quant_method", None)
-            if method is None:
-                continue
-            if type(module).__name__ in ("FusedMoE", "SharedFusedMoE", "RoutedExperts"):
-                experts[name] = type(method).__name__
+            if method is None or type(module).__name__ in EXPERT_MODULES:
                 continue
             width = getattr(module, "input_size_per_partition", None)
             if width is None:  # not a linear layer (an embedding, the lm_head)
@@ -284,7 +285,8 @@ def local_products(worker: Any) -> dict[str, Any]:
             methods[name] = type(scheme).__name__ if scheme is not None else type(method).__name__
             if scheme is not None:
                 quantized.append(name)
-    return {"rank": rank, "dtype": str(dtype), "products": products, "methods": methods, "experts": experts,
+        moe = expert_products(model, worker, dequantized)
+    return {"rank": rank, "dtype": str(dtype), "products": products, "methods": methods, "experts": moe,
             "quantized": quantized}
 
 
@@ -371,8 +373,9 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     quantized, dequantized = quantized_checkpoints(Path(ckpt), method, ctx.workdir)
     dtype = engine_dtype(scheme)
     args = {"dtype": dtype, WORKER_RPC: local_products}
+    with_experts = partial(local_products, dequantized=str(dequantized))  # the expert oracle's reference, per rank
     try:
-        run_q = _start(ctx, str(quantized), ctx.tp, "warm", args)
+        run_q = _start(ctx, str(quantized), ctx.tp, "warm", {**args, WORKER_RPC: with_experts})
     except CheckFailure as failure:
         if _has_experts(quantized) and MOE_UNSUPPORTED in failure.message:  # vLLM's CPU backend, not the model
             reason = next(line for line in failure.message.splitlines() if MOE_UNSUPPORTED in line).strip()
@@ -382,15 +385,15 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     run_d = _start(ctx, str(dequantized), ctx.tp, "warm", args)
     methods = run_q.captures[0]["methods"]
     layers = sorted(run_q.captures[0]["quantized"])
-    experts = run_q.captures[0]["experts"]
+    experts = {name: layer["method"] for name, layer in run_q.captures[0]["experts"].items()}
     detail: dict[str, Any] = {
         "quantization": method, "scheme": f"compressed-tensors {scheme.format}", "dtype": dtype,
         "tensor_parallel_size": ctx.tp, "quantized_layers": layers, "kernels": sorted(set(methods.values())),
         "experts": experts, "tokens": run_q.tokens, "dequantized_tokens": run_d.tokens, "seconds": run_q.seconds}
-    unquantized = _linear_failures(run_q)
+    unquantized = _linear_failures(run_q) + sorted(name for name, kind in experts.items() if kind.startswith("Unq"))
     if unquantized or not layers:
         raise CheckFailure(
-            f"With the {method} checkpoint, vLLM built {len(unquantized)} linear layer(s) of {ctx.architecture} "
+            f"With the {method} checkpoint, vLLM built {len(unquantized)} layer(s) of {ctx.architecture} "
             f"unquantized ({', '.join(unquantized[:6]) or 'every one'}): its layers must take the model's "
             f"quant_config and their module name as prefix.", {**detail, "kind": "not_quantized"})
     differing, largest = compare_local(run_q, run_d, dtype)
@@ -406,9 +409,31 @@ def run(ctx: CheckContext) -> dict[str, Any]:
             f"activations quantize exactly, every sum is exact), so its weight_scale or weight is loaded, sharded or "
             f"repacked wrongly: check that layer's weight_loader and its scheme's process_weights_after_loading.",
             {**detail, "kind": "oracle_mismatch", "differing": differing})
-    if experts:  # run quantized, but no oracle compares them: a pass would claim what was not checked
-        raise CheckSkip(f"{ctx.architecture}'s MoE experts run quantized with {method} "
-                        f"({', '.join(sorted(set(experts.values())))}), and the layer oracle compares linear layers "
-                        f"only: its {len(layers)} quantized linear layers equal deq(W)'s (largest relative error "
-                        f"{largest:.3g}), its experts are not checked")
+    if experts:
+        _check_experts(ctx, run_q, detail)
     return detail
+
+
+def _check_experts(ctx: CheckContext, run_q: EngineRun, detail: dict[str, Any]) -> None:
+    """The expert oracle (quant_experts): a failure naming the first fused MoE layer outside its derived bound, a
+    skip naming the layers no oracle checks (a pass would claim what was not checked)."""
+    from pytest_enginecheck.checks import CheckFailure, CheckSkip
+    from pytest_enginecheck.targets.vllm.quant_experts import compare_experts
+
+    differing, share, unchecked = compare_experts(run_q.captures)
+    detail["largest_expert_error_share"] = share  # of the derived bound; a correct kernel stays at or below 1
+    if differing:
+        worst = differing[0]
+        more = f" ({len(differing) - 1} more)" if differing[1:] else ""
+        raise CheckFailure(
+            f"The {ctx.quantization} MoE experts {worst['name']} of {ctx.architecture} at tensor_parallel_size="
+            f"{ctx.tp} (rank {worst['rank']}, {worst['method']}) do not compute what the dequantized experts deq(W) "
+            f"compute on the same tokens and routing: {worst['bound_share']:.3g}x the bound derived for the scheme's "
+            f"activation quantization, relative error {worst['relative_error']:.3g}, {worst['ratio']:.4g}x deq(W)'s "
+            f"output{more}, so an expert's weight or weight_scale is loaded, sharded or repacked wrongly: check the "
+            f"layer's expert weight_loader and its quant method's process_weights_after_loading.",
+            {**detail, "kind": "expert_mismatch", "differing": differing})
+    if unchecked:
+        raise CheckSkip(f"{ctx.architecture}'s MoE experts run quantized with {ctx.quantization}, and the expert "
+                        f"oracle cannot check {', '.join(unchecked[:3])}: its linear layers and other experts match "
+                        f"deq(W)'s")
