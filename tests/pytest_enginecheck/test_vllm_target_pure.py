@@ -808,3 +808,20 @@ def test_the_cpu_mla_backends_float32_refusal_is_a_limit_only_in_its_own_frame()
     assert limit is not None and "amx_mla.py" in limit and "float32" in limit
     elsewhere = CPU_MLA_TRACEBACK.replace("backends/mla/amx_mla.py", "models/my_model.py")
     assert checker_limit(EngineFailure("load_model", 0, exception, "", elsewhere)) is None
+
+
+# --- engine.vocab_size: the prompts' vocabulary, wherever the text decoder's config.json keeps it ----------------
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"vocab_size": 256, "text_config": {"vocab_size": 512}}, 256),  # a text decoder's own
+    ({"text_config": {"vocab_size": 256}, "vision_config": {"hidden_size": 64}}, 256),  # Llava's
+    ({"llm_config": {"vocab_size": 256}, "vit_config": {"vocab_size": 1024}}, 256),  # BagelConfig's: the smallest
+    ({"config": {"text": {"vocab_size": 256}}}, 256),  # any depth (Moondream3's config.text)
+])
+def test_vocab_size_is_the_text_decoders_wherever_the_config_keeps_it(tmp_path: Path, config: dict[str, Any],
+                                                                        expected: int) -> None:
+    from pytest_enginecheck.targets.vllm.engine import vocab_size
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert vocab_size(str(tmp_path)) == expected

@@ -43,7 +43,8 @@ def test_a_vllm_composite_config_is_shrunk_part_by_part_in_the_hubs_layout(in_ch
 def test_a_multimodal_class_whose_config_is_one_part_says_so(in_child: Any) -> None:
     message = in_child(_config, "Phi3VForCausalLM")  # its module imports CLIPVisionConfig: its own config is remote
     assert isinstance(message, str), message
-    assert "(CLIPVisionConfig, model_type 'clip_vision_model') holds no text decoder as a sub-config" in message
+    # the config class its module imports is one part, and its own config comes from remote code
+    assert "clip_vision_model" in message and "remote code" in message
 
 
 def test_load_tp1_runs_vllms_engine_on_a_multimodal_checkpoint_written_from_vllms_side(in_child: Any,
@@ -93,6 +94,31 @@ def test_a_packed_layer_its_loader_takes_fused_is_written_whole(in_child: Any, t
     # its text and vision configs are config.text / config.vision: vLLM lists it multimodal, so text-only
     assert "text_config" not in config and args == {"language_model_only": True}
     assert not [name for name in shapes if name.startswith("vision.")]  # the tower is not built, so not written
+
+
+def test_a_text_decoder_under_a_name_get_text_config_misses_is_shrunk(in_child: Any, tmp_path: Any) -> None:
+    # BagelConfig holds its Qwen2 decoder as ``llm_config`` beside a SigLIP ``vit_config`` (TEXT_SUB_CONFIGS)
+    config, shapes, args = in_child(_written, str(tmp_path), "BagelForConditionalGeneration")
+    text, vision = config["llm_config"], config["vit_config"]
+    assert (text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]) == (64, 2, 256)
+    assert (vision["hidden_size"], vision["num_hidden_layers"]) == (64, 2)
+    assert vision["image_size"] == 4 * vision["patch_size"]
+    assert args == {"language_model_only": True}
+    assert shapes["language_model.model.embed_tokens.weight"] == (256, 64)
+    assert {name.split(".")[0] for name in shapes} == {"language_model"}  # no tower built, none written
+
+
+def test_a_text_decoders_config_gets_its_encoders_as_the_hubs_dicts(in_child: Any, tmp_path: Any) -> None:
+    # GLM-4V: ChatGLMConfig is the text decoder; its EVA2-CLIP encoder is a plain vision_config dict (ENCODER_FIELDS)
+    config, shapes, args = in_child(_written, str(tmp_path), "GLM4VForCausalLM")
+    assert config["model_type"] == "chatglm" and (config["hidden_size"], config["num_layers"]) == (64, 2)
+    vision = config["vision_config"]
+    assert (vision["hidden_size"], vision["num_hidden_layers"]) == (64, 2)
+    assert vision["num_positions"] == (vision["image_size"] // vision["patch_size"]) ** 2 + 1
+    assert max(config["boi_token_id"], config["eoi_token_id"]) < config["vocab_size"]
+    assert args == {"language_model_only": True}
+    assert shapes["transformer.embedding.weight"] == (256, 64)
+    assert not [name for name in shapes if ".vision." in name]  # no tower built, none written
 
 
 def _whisper() -> Any:

@@ -71,9 +71,8 @@ def _ints(config: Any) -> dict[str, int]:
     return {k: v for k, v in config.to_dict().items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
-def _dimensions(defaults: Any, tiny_text: Any) -> dict[int, int]:
-    """Default hidden / vocabulary size -> tiny size, for every part: the text decoder's, each encoder's."""
-    text = defaults.get_text_config()
+def _dimensions(defaults: Any, text: Any, tiny_text: Any) -> dict[int, int]:
+    """Default hidden / vocabulary size -> tiny size, for every part: the text decoder's (``text``), each encoder's."""
     dims = {}
     for sub in _sub_configs(defaults).values():
         if sub is text:
@@ -131,21 +130,23 @@ def _rebuilt(config: Any, sizes: dict[str, Any], subs: dict[str, Any] | None = N
 
 
 def tiny_composite_config(config_cls: type, defaults: Any, tiny_text_config: Callable[[type, Any], Any],
-                          encoder_sizes: Mapping[str, int] | None = None, keys: Mapping[str, str] | None = None) -> Any:
+                          encoder_sizes: Mapping[str, int] | None = None, keys: Mapping[str, str] | None = None,
+                          text_name: str = "") -> Any:
     """``config_cls``'s tiny config from its default ``defaults``: the text sub-config by ``tiny_text_config``
     (``(config class, default config) -> tiny config``, which raises NoTinyCheckpoint), every other sub-config
     and the top level shrunk as the module docstring says (``encoder_sizes``: more encoder size fields, by name, over
     ENCODER_SIZES; ``keys``: the constructor keyword of a sub-config whose attribute has another name, as vLLM's
-    UltravoxConfig takes ``text_config`` and holds ``wrapped_model_config``); NoTinyCheckpoint where a config refuses
-    its sizes. An encoder-decoder text config (Whisper) is shrunk by the text decoders' rules plus ENCODER_SIZES'
-    decoder fields."""
+    UltravoxConfig takes ``text_config`` and holds ``wrapped_model_config``; ``text_name``: the attribute holding the
+    text decoder where ``get_text_config`` does not look, BagelConfig's ``llm_config``); NoTinyCheckpoint where a
+    config refuses its sizes. An encoder-decoder text config (Whisper) is shrunk by the text decoders' rules plus
+    ENCODER_SIZES' decoder fields."""
     if _is_encoder_decoder(defaults) and defaults.get_text_config() is defaults:
         tiny = tiny_text_config(config_cls, defaults)
         return _rebuilt(tiny, {k: ENCODER_SIZES[k] for k in DECODER_SIZES if k in _ints(defaults)})
     encoder_sizes = {**ENCODER_SIZES, **(encoder_sizes or {})}
-    text = defaults.get_text_config()
+    text = getattr(defaults, text_name) if text_name else defaults.get_text_config()
     tiny_text = tiny_text_config(type(text), text)
-    dims = _dimensions(defaults, tiny_text)
+    dims = _dimensions(defaults, text, tiny_text)
     subs = {}
     for name, sub in _sub_configs(defaults).items():
         if sub is text:

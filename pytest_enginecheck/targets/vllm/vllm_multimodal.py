@@ -10,9 +10,11 @@ own encoder configs; sizes where parts meet matched by value). The weights are t
 so the towers a model marks with ``_mark_tower_model`` are not built and only what is built (the text model, and
 the projectors of models that build them) is written and proven by the round trip.
 
-A config that keeps its text decoder at the top level (BagelConfig, OvisConfig, ChatGLMConfig for GLM-4V: encoder
-configs that only the hub checkpoint fills in), or a class vLLM resolves that is one part only (Phi-3-vision's model
-module imports CLIPVisionConfig: its own config is remote code), is NoTinyCheckpoint saying so.
+Two other layouts have rules: a text decoder held under a name transformers' ``get_text_config`` does not look for
+(BagelConfig's ``llm_config``: TEXT_SUB_CONFIGS), and a config class that is the text decoder itself, its encoders
+plain dicts of the hub's config.json (GLM-4V's ChatGLMConfig and ``vision_config``: ENCODER_FIELDS, tiny). Any other
+config that is one part only (OvisConfig, whose encoder configs only the hub checkpoint fills in; Phi-3-vision's
+module imports CLIPVisionConfig, its own config is remote code) is NoTinyCheckpoint saying so.
 """
 
 from __future__ import annotations
@@ -49,6 +51,19 @@ SUB_CONFIG_PATHS: dict[str, dict[str, tuple[str, str]]] = {
 # the other standard names are derived from these).
 VLLM_TEXT_SIZES: dict[str, int] = {"dim": 64, "ff_dim": 128, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2,
                                    "max_context": 256}
+# The attribute holding the text decoder where transformers' get_text_config does not look for it, by model_type.
+TEXT_SUB_CONFIGS: dict[str, str] = {"bagel": "llm_config"}
+# The encoders of a config class that is the text decoder itself, as the hub's config.json holds them (plain dicts vLLM
+# reads by key), tiny (ENCODER_SIZES' sizes, an image of IMAGE_PATCHES x IMAGE_PATCHES patches), by model_type:
+# GLM-4V's EVA2-CLIP vision_config and its begin/end-of-image token ids (inside the tiny vocabulary).
+ENCODER_FIELDS: dict[str, dict[str, Any]] = {
+    "chatglm": {"vision_config": {"hidden_size": 64, "num_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128,
+                                  "patch_size": 14, "image_size": 14 * composite.IMAGE_PATCHES,
+                                  "num_positions": composite.IMAGE_PATCHES ** 2 + 1, "in_channels": 3,
+                                  "hidden_act": "gelu", "layer_norm_eps": 1e-6, "dropout_prob": 0.0,
+                                  "scaling_factor": 8},
+                "boi_token_id": 3, "eoi_token_id": 4},
+}
 # Top-level fields the hub config.json copies from the text decoder, which vLLM's model reads there, by model_type.
 TEXT_FIELDS_AT_TOP: dict[str, tuple[str, ...]] = {"ultravox": ("vocab_size",)}
 
@@ -63,8 +78,15 @@ def _text_config(config_cls: type, defaults: Any) -> Any:
 TEXT_SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
 
 
-def _text_sizes(config: Any) -> dict[str, Any]:
-    text = config.get_text_config()
+def _text(model_type: str, config: Any) -> Any:
+    """The text decoder's config of ``config`` (of ``model_type``): its TEXT_SUB_CONFIGS attribute, else
+    ``get_text_config()``."""
+    name = TEXT_SUB_CONFIGS.get(model_type)
+    return getattr(config, name) if name else config.get_text_config()
+
+
+def _text_sizes(model_type: str, config: Any) -> dict[str, Any]:
+    text = _text(model_type, config)
     return {k: getattr(text, k, None) for k in TEXT_SIZE_FIELDS}
 
 
@@ -87,9 +109,12 @@ class HubLayoutConfig:
 
 
 def _hub_layout(model_type: str, config: Any) -> dict[str, Any]:
-    """``config``'s config.json in the hub checkpoint's layout: sub-configs under SUB_CONFIG_KEYS, HUB_FIELDS and
-    TEXT_FIELDS_AT_TOP set."""
+    """``config``'s config.json in the hub checkpoint's layout: sub-configs under SUB_CONFIG_KEYS, HUB_FIELDS (and the
+    text decoders', ``vllm_weights.HUB_FIELDS``), ENCODER_FIELDS and TEXT_FIELDS_AT_TOP set."""
+    from pytest_enginecheck.targets.vllm import vllm_weights
+
     saved: dict[str, Any] = json.loads(config.to_json_string(use_diff=False))
+    saved.update({**vllm_weights.HUB_FIELDS.get(model_type, {}), **ENCODER_FIELDS.get(model_type, {})})
     for name, key in SUB_CONFIG_KEYS.get(model_type, {}).items():
         saved[key] = json.loads(getattr(config, name).to_json_string(use_diff=False))
         saved.pop(name, None)
@@ -103,19 +128,20 @@ def _hub_layout(model_type: str, config: Any) -> dict[str, Any]:
     return saved
 
 
-def _read_back(config_cls: type, config: Any, saved: dict[str, Any]) -> Any:
+def _read_back(model_type: str, config_cls: type, config: Any, saved: dict[str, Any]) -> Any:
     """``saved`` (the tiny ``config``'s config.json) parsed by ``config_cls`` as vLLM parses it; NoTinyCheckpoint
     where that is not the tiny text decoder (a constructor that reads the text sub-config under a key no
     SUB_CONFIG_KEYS entry names)."""
     try:
         parsed = config_cls.from_dict(dict(saved))  # type: ignore[attr-defined]
-        read = _text_sizes(parsed)
+        read = _text_sizes(model_type, parsed)
     except Exception as e:  # noqa: BLE001 - the class refuses the tiny config.json
         raise NoTinyCheckpoint(f"{config_cls.__name__} cannot read back the tiny config.json: "
                                f"{type(e).__name__}: {e}") from None
-    if read != _text_sizes(config):
+    written = _text_sizes(model_type, config)
+    if read != written:
         raise NoTinyCheckpoint(f"{config_cls.__name__} reads the tiny config.json with another text decoder ({read} "
-                               f"for {_text_sizes(config)}): it reads a sub-config under another key than it "
+                               f"for {written}): it reads a sub-config under another key than it "
                                f"writes it, and no rule of the checker names that key")
     return parsed
 
@@ -131,18 +157,22 @@ def tiny_multimodal_config(architecture: str, model_cls: type) -> HubLayoutConfi
     except Exception as e:  # noqa: BLE001 - the config needs arguments the checker cannot know
         raise NoTinyCheckpoint(f"{config_cls.__name__}() (vLLM's config of model_type {model_type!r}) cannot be built "
                                f"with its defaults: {type(e).__name__}: {e}") from None
-    if not composite.is_composite(defaults) or defaults.get_text_config() is defaults:
+    text_name = TEXT_SUB_CONFIGS.get(model_type, "")
+    if model_type in ENCODER_FIELDS and not composite.is_composite(defaults):
+        config = _text_config(config_cls, defaults)  # the text decoder itself: its encoders are ENCODER_FIELDS
+    elif text_name or (composite.is_composite(defaults) and defaults.get_text_config() is not defaults):
+        config = composite.tiny_composite_config(config_cls, defaults, _text_config, VLLM_ENCODER_SIZES,
+                                                 SUB_CONFIG_KEYS.get(model_type), text_name)
+    else:
         raise NoTinyCheckpoint(
             f"the config class vLLM resolves for the multimodal {architecture} ({config_cls.__name__}, model_type "
             f"{model_type!r}) holds no text decoder as a sub-config beside its encoders: its encoders' configs "
             f"come from the hub checkpoint (remote code), which no shrink rule knows")
-    config = composite.tiny_composite_config(config_cls, defaults, _text_config, VLLM_ENCODER_SIZES,
-                                             SUB_CONFIG_KEYS.get(model_type))
-    text = config.get_text_config()
+    text = _text(model_type, config)
     for part in (config,) if text is config else (config, text):
         if not hasattr(part, "tie_word_embeddings"):  # transformers 5's base config has none; vLLM's models read it
             part.tie_word_embeddings = False
     config.architectures = [architecture]
     config.dtype = "float32"
     saved = _hub_layout(model_type, config)
-    return HubLayoutConfig(_read_back(config_cls, config, saved), saved)
+    return HubLayoutConfig(_read_back(model_type, config_cls, config, saved), saved)
