@@ -65,6 +65,21 @@ def checkpoint_names(model: Any, layer: str, moe: Any) -> dict[str, str]:
     return names
 
 
+def outside_derivation(module: Any, method: Any) -> str | None:
+    """What of a fused MoE layer the bound is not derived for (then its experts are not compared), or None: the
+    reference computes ``down(silu(gate x) * up x)`` per expert without biases, weighted after the experts."""
+    activation = str(getattr(module, "activation", "silu")).lower()
+    departures = {
+        "expert parallelism": bool(getattr(module, "use_ep", False)),
+        "a monolithic kernel (it routes itself)": bool(getattr(method, "is_monolithic", False)),
+        f"the activation {activation}": "silu" not in activation or "no_mul" in activation,
+        "expert biases": getattr(module, "w13_bias", None) is not None or getattr(module, "w2_bias", None) is not None,
+        "router weights applied to the input": bool(getattr(module, "apply_router_weight_on_input", False)),
+        "a clamped SwiGLU": getattr(module, "swiglu_limit", None) is not None,
+    }
+    return next((what for what, applies in departures.items() if applies), None)
+
+
 def expert_products(model: Any, worker: Any, dequantized: str | None = None) -> dict[str, Any]:
     """On a rank, each fused MoE layer by name: its quant method's name, and given the ``dequantized`` twin's path
     (for quantized layers) its output (the method's ``apply``, no all-reduce) on ``quant.local_input`` with
@@ -85,9 +100,8 @@ def expert_products(model: Any, worker: Any, dequantized: str | None = None) -> 
         found[name] = entry
         if dequantized is None or entry["method"].startswith("Unquantized"):
             continue
-        if getattr(module, "use_ep", False) or getattr(method, "is_monolithic", False):
-            entry["unchecked"] = ("expert parallelism" if getattr(module, "use_ep", False)
-                                  else "a monolithic kernel (it routes itself)")
+        if (departure := outside_derivation(module, method)) is not None:
+            entry["unchecked"] = departure
             continue
         experts = int(module.global_num_experts)
         ids, weights = routing(experts, int(getattr(module, "top_k", 2)))
