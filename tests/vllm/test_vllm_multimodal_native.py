@@ -108,6 +108,20 @@ def test_a_text_decoder_under_a_name_get_text_config_misses_is_shrunk(in_child: 
     assert {name.split(".")[0] for name in shapes} == {"language_model"}  # no tower built, none written
 
 
+def test_sub_configs_only_the_hub_fills_in_are_given_tiny_and_written_under_the_hubs_keys(in_child: Any,
+                                                                                          tmp_path: Any) -> None:
+    # OvisConfig's defaults hold no sub-config; HUB_SUB_CONFIGS gives Ovis2's (Qwen2 + AIMv2 visual tokenizer), and
+    # its constructor reads the decoder as llm_config (and pops model_type from it: the written dicts keep theirs)
+    config, shapes, args = in_child(_written, str(tmp_path), "Ovis")
+    text, visual = config["llm_config"], config["visual_tokenizer_config"]
+    assert "text_config" not in config and text["model_type"] == "qwen2"
+    assert (text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]) == (64, 2, 256)
+    assert visual["model_type"] == "aimv2_visual_tokenizer" and visual["vocab_size"] == 256
+    assert (visual["backbone_config"]["hidden_size"], visual["backbone_config"]["num_hidden_layers"]) == (64, 2)
+    assert config["hidden_size"] == text["hidden_size"] and args == {"language_model_only": True}
+    assert {name.split(".")[0] for name in shapes} == {"llm"}  # the visual tokenizer is a tower: not built
+
+
 def test_a_text_decoders_config_gets_its_encoders_as_the_hubs_dicts(in_child: Any, tmp_path: Any) -> None:
     # GLM-4V: ChatGLMConfig is the text decoder; its EVA2-CLIP encoder is a plain vision_config dict (ENCODER_FIELDS)
     config, shapes, args = in_child(_written, str(tmp_path), "GLM4VForCausalLM")

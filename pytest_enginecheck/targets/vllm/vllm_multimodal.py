@@ -10,15 +10,17 @@ own encoder configs; sizes where parts meet matched by value). The weights are t
 so the towers a model marks with ``_mark_tower_model`` are not built and only what is built (the text model, and
 the projectors of models that build them) is written and proven by the round trip.
 
-Two other layouts have rules: a text decoder held under a name transformers' ``get_text_config`` does not look for
-(BagelConfig's ``llm_config``: TEXT_SUB_CONFIGS), and a config class that is the text decoder itself, its encoders
-plain dicts of the hub's config.json (GLM-4V's ChatGLMConfig and ``vision_config``: ENCODER_FIELDS, tiny). Any other
-config that is one part only (OvisConfig, whose encoder configs only the hub checkpoint fills in; Phi-3-vision's
-module imports CLIPVisionConfig, its own config is remote code) is NoTinyCheckpoint saying so.
+Three other layouts have rules: a text decoder held under a name transformers' ``get_text_config`` does not look
+for (BagelConfig's ``llm_config``: TEXT_SUB_CONFIGS); sub-configs that the class's defaults leave out and only the hub
+checkpoint fills in (OvisConfig's: HUB_SUB_CONFIGS gives them); and a config class that is the text decoder itself,
+its encoders plain dicts of the hub's config.json (GLM-4V's ChatGLMConfig and ``vision_config``: ENCODER_FIELDS,
+tiny). Any other config that is one part only (Phi-3-vision's module imports CLIPVisionConfig, its own config is
+remote code) is NoTinyCheckpoint saying so.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
@@ -41,7 +43,19 @@ HUB_FIELDS: dict[str, dict[str, dict[str, Any]]] = {
 # The key a sub-config is read from in the hub's config.json (and passed to the constructor under), where it is not
 # the attribute it is held in, by model_type.
 SUB_CONFIG_KEYS: dict[str, dict[str, str]] = {"ultravox": {"wrapped_model_config": "text_config"},
-                                              "deepseek_vl_v2": {"text_config": "language_config"}}
+                                              "deepseek_vl_v2": {"text_config": "language_config"},
+                                              "ovis": {"text_config": "llm_config"}}
+# The sub-configs of a config class whose defaults have none (only the hub checkpoint fills them in), as the hub's
+# config.json holds them, by model_type: Ovis2's Qwen2 decoder and AIMv2 visual tokenizer (its backbone tiny here,
+# one level below what the shrink rules reach).
+HUB_SUB_CONFIGS: dict[str, dict[str, Any]] = {
+    "ovis": {"llm_config": {"model_type": "qwen2"},
+             "visual_tokenizer_config": {
+                 "model_type": "aimv2_visual_tokenizer", "hidden_stride": 2,
+                 "backbone_config": {"model_type": "aimv2", "hidden_size": 64, "intermediate_size": 128,
+                                     "num_hidden_layers": 2, "num_attention_heads": 2, "patch_size": 14,
+                                     "image_size": 14 * composite.IMAGE_PATCHES}}},
+}
 # The path of a sub-config in the hub's config.json, where the constructor reads it from inside another field
 # (Moondream3Config's ``config: {"text": ..., "vision": ...}``), by model_type.
 SUB_CONFIG_PATHS: dict[str, dict[str, tuple[str, str]]] = {
@@ -65,7 +79,7 @@ ENCODER_FIELDS: dict[str, dict[str, Any]] = {
                 "boi_token_id": 3, "eoi_token_id": 4},
 }
 # Top-level fields the hub config.json copies from the text decoder, which vLLM's model reads there, by model_type.
-TEXT_FIELDS_AT_TOP: dict[str, tuple[str, ...]] = {"ultravox": ("vocab_size",)}
+TEXT_FIELDS_AT_TOP: dict[str, tuple[str, ...]] = {"ultravox": ("vocab_size",), "ovis": ("hidden_size",)}
 
 
 def _text_config(config_cls: type, defaults: Any) -> Any:
@@ -133,7 +147,7 @@ def _read_back(model_type: str, config_cls: type, config: Any, saved: dict[str, 
     where that is not the tiny text decoder (a constructor that reads the text sub-config under a key no
     SUB_CONFIG_KEYS entry names)."""
     try:
-        parsed = config_cls.from_dict(dict(saved))  # type: ignore[attr-defined]
+        parsed = config_cls.from_dict(copy.deepcopy(saved))  # type: ignore[attr-defined] # OvisConfig pops keys
         read = _text_sizes(model_type, parsed)
     except Exception as e:  # noqa: BLE001 - the class refuses the tiny config.json
         raise NoTinyCheckpoint(f"{config_cls.__name__} cannot read back the tiny config.json: "
@@ -153,7 +167,7 @@ def tiny_multimodal_config(architecture: str, model_cls: type) -> HubLayoutConfi
 
     model_type, config_cls = vllm_config_class(architecture, model_cls)
     try:
-        defaults = config_cls()
+        defaults = config_cls(**copy.deepcopy(HUB_SUB_CONFIGS.get(model_type, {})))
     except Exception as e:  # noqa: BLE001 - the config needs arguments the checker cannot know
         raise NoTinyCheckpoint(f"{config_cls.__name__}() (vLLM's config of model_type {model_type!r}) cannot be built "
                                f"with its defaults: {type(e).__name__}: {e}") from None
