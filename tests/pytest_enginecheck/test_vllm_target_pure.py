@@ -762,8 +762,8 @@ def test_field_values_give_sizes_and_llama_defaults_and_name_a_field_no_rule_kno
     assert values["num_experts"] == TINY_SIZES["num_experts"] and "kv_lora_rank" not in values
     without_off = field_values("EctpModel", config_reads(MODEL_SOURCE), leave_off=True)
     assert values.keys() - without_off.keys() == {"num_experts", "sliding_window"}
-    with pytest.raises(NoTinyCheckpoint, match=r"EctpModel reads the config field bskcn_tv, which no rule"):
-        field_values("EctpModel", ConfigReads(frozenset({"hidden_size", "bskcn_tv"}), frozenset()))
+    with pytest.raises(NoTinyCheckpoint, match=r"EctpModel reads the config field ectp_window_pattern, which no rule"):
+        field_values("EctpModel", ConfigReads(frozenset({"hidden_size", "ectp_window_pattern"}), frozenset()))
 
 
 def test_the_remote_config_module_defines_the_model_type_and_its_defaults(tmp_path: Path) -> None:
@@ -808,6 +808,83 @@ def test_the_cpu_mla_backends_float32_refusal_is_a_limit_only_in_its_own_frame()
     assert limit is not None and "amx_mla.py" in limit and "float32" in limit
     elsewhere = CPU_MLA_TRACEBACK.replace("backends/mla/amx_mla.py", "models/my_model.py")
     assert checker_limit(EngineFailure("load_model", 0, exception, "", elsewhere)) is None
+
+
+def test_layout_fields_follow_the_tiny_layers_as_the_model_uses_them() -> None:
+    from pytest_enginecheck.targets.vllm.remote_config import SLIDING_WINDOW, ConfigReads, field_values, layout_values
+
+    fields = frozenset({"layer_group_size", "bskcn_1", "bskcn_3", "interleaved_sliding_window"})
+    values = layout_values(4, ["sliding_attention", "full_attention"] * 2, fields)
+    # Bailing: one group of all the layers (its last full attention); Solar: save from layer 1 (layer 0 has no
+    # residual), mix back in at the last; Plamo3: a window where a layer slides, None where it attends fully
+    assert values == {"layer_group_size": 4, "bskcn_1": [1], "bskcn_3": [3],
+                      "interleaved_sliding_window": [SLIDING_WINDOW, None, SLIDING_WINDOW, None]}
+    reads = ConfigReads(frozenset({"hidden_size", "layer_types", "interleaved_sliding_window", "bskcn_4"}), frozenset())
+    solar_plamo = field_values("EctpModel", reads)
+    assert solar_plamo["layer_types"] == ["full_attention"] * 2 and solar_plamo["bskcn_4"] == [1]
+    assert solar_plamo["interleaved_sliding_window"] == [None, None]
+
+
+def test_a_record_field_reads_by_attribute_and_writes_as_json(tmp_path: Path) -> None:
+    from pytest_enginecheck.targets.vllm.remote_config import CLASS_NAME, DECI_BLOCK, MODULE_FILE, RemoteConfig
+
+    remote = RemoteConfig("DeciLMForCausalLM", "nemotron-nas", {"hidden_size": 64, "block_configs": [DECI_BLOCK] * 2,
+                                                                 "rope_parameters": {"rope_theta": 1.0}})
+    remote.write(tmp_path)
+    config = getattr(_load_file(tmp_path / MODULE_FILE, "ectp_deci_configuration"), CLASS_NAME)()
+    block = config.block_configs[1]  # as DeciLM's BlockConfig dataclasses: block_config.attention.no_op
+    assert block.attention.no_op is False and block.ffn.intermediate_size == 128
+    assert not hasattr(block.ffn, "ffn_mult")  # vLLM's nemotron_nas.py takes intermediate_size where it is absent
+    assert json.loads(config.to_json_string())["block_configs"][0] == DECI_BLOCK
+    assert type(config.rope_parameters) is dict  # a field not a record stays a plain value
+
+
+def test_dbrx_gets_the_hub_attention_rope_theta_that_transformers_moved() -> None:
+    from pytest_enginecheck.targets.vllm.checkpoints import tiny_config
+
+    config = tiny_config("DbrxForCausalLM")
+    assert config.attn_config.rope_theta == config.rope_parameters["rope_theta"]
+    assert json.loads(config.to_json_string())["attn_config"]["rope_theta"] == config.rope_parameters["rope_theta"]
+
+
+def _attention_traceback(exception: str, file: str = "model_executor/layers/attention/attention.py") -> str:
+    return f'''\
+Traceback (most recent call last):
+  File "/venv/site-packages/vllm/model_executor/models/step1.py", line 137, in __init__
+    self.attn = Attention(
+  File "/venv/site-packages/vllm/{file}", line 366, in __init__
+    raise ValueError(
+{exception}
+'''
+
+
+@pytest.mark.parametrize(("exception", "said"), [
+    ("ValueError: use_alibi_sqrt is not supported by backend CPU_ATTN.", "CPU_ATTN attention backend"),
+    ("TypeError: CPUAttentionBackendImpl.__init__() got an unexpected keyword argument 'chunk_lookback'",
+     "takes no chunk_lookback"),
+])
+def test_an_attention_feature_the_cpu_backend_lacks_is_a_limit_only_in_vllms_attention_layer(exception: str,
+                                                                                             said: str) -> None:
+    from pytest_enginecheck.targets.vllm.failures import EngineFailure
+    from pytest_enginecheck.targets.vllm.limits import checker_limit
+
+    limit = checker_limit(EngineFailure("load_model", 0, exception, "", _attention_traceback(exception)))
+    assert limit is not None and said in limit, limit
+    elsewhere = _attention_traceback(exception, "model_executor/models/my_model.py")
+    assert checker_limit(EngineFailure("load_model", 0, exception, "", elsewhere)) is None
+
+
+def test_a_model_only_model_runner_v2_builds_is_a_limit_where_the_model_says_so() -> None:
+    from pytest_enginecheck.targets.vllm.failures import EngineFailure
+    from pytest_enginecheck.targets.vllm.limits import checker_limit
+
+    exception = ("NotImplementedError: LongcatFlashNgramForCausalLM (LongCat-Flash-Lite) requires the V2 model runner "
+                 "for its n-gram embedding state")
+    traceback = _attention_traceback(exception, "model_executor/models/longcat_flash_ngram.py")
+    limit = checker_limit(EngineFailure("load_model", 0, exception, "", traceback))
+    assert limit is not None and "model runner V2, which needs Triton" in limit and "longcat_flash_ngram.py" in limit
+    other = "NotImplementedError: my layer is not implemented"
+    assert checker_limit(EngineFailure("load_model", 0, other, "", _attention_traceback(other, traceback))) is None
 
 
 # --- engine.vocab_size: the prompts' vocabulary, wherever the text decoder's config.json keeps it ----------------

@@ -209,10 +209,14 @@ def make_tiny_checkpoint(architecture: str, path: Path, model_cls: type | None =
 
     try:
         hf_class(architecture, model_cls)
-    except NoTinyCheckpoint as no_class:  # no transformers class: vLLM's config class, weights from vLLM's model
+        no_class = ""
+    except NoTinyCheckpoint as e:
+        no_class = str(e)
+    if no_class:  # no transformers class: vLLM's config class, weights from vLLM's model (outside the except block:
+        # what its fork raises is then not chained to this, and limits.py finds the frame that raised it)
         from pytest_enginecheck.targets.vllm import vllm_weights
 
-        return vllm_weights.make_vllm_checkpoint(architecture, path, model_cls, reason=str(no_class))
+        return vllm_weights.make_vllm_checkpoint(architecture, path, model_cls, reason=no_class)
     config = tiny_config(architecture, model_cls)
     config.dtype = torch.float32  # transformers' modeling code may read it as a torch.dtype (Apertus' xIELU)
     too_large = _too_large(hf_class(architecture, model_cls), config)

@@ -93,12 +93,43 @@ def _needs_tokenizer(failure: EngineFailure) -> str | None:
             f"starts on it with skip_tokenizer_init)")
 
 
+def _cpu_attention_feature(failure: EngineFailure) -> str | None:
+    """vLLM's attention layer (layers/attention/attention.py) refusing, for the CPU's attention backend, a feature the
+    model's attention asks for: ``use_alibi_sqrt`` (Step1), or an argument the backend's implementation does not
+    take (Rnj1's ``chunk_lookback``, which only the Triton backend takes)."""
+    file, function, _ = raised_in(failure.traceback, "vllm/")
+    if not (file.endswith("model_executor/layers/attention/attention.py") and function == "__init__"):
+        return None
+    refused = re.fullmatch(r"ValueError: (\w+) is not supported by backend (\w+)\.", failure.exception)
+    if refused:
+        return (f"vLLM's {refused[2]} attention backend (vLLM's CPU backend's) does not support {refused[1]}, which "
+                f"the model's attention asks for (layers/attention/attention.py)")
+    unknown = re.fullmatch(r"TypeError: (CPU\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'",
+                           failure.exception)
+    if unknown:
+        return (f"vLLM's CPU attention backend ({unknown[1]}) takes no {unknown[2]}, which the model's attention "
+                f"passes to every layer (layers/attention/attention.py)")
+    return None
+
+
+def _needs_model_runner_v2(failure: EngineFailure) -> str | None:
+    """A model that vLLM builds only under its model runner V2, which needs Triton: vLLM's CPU backend, without it,
+    runs the V1 runner (config/vllm.py's ``use_v2_model_runner``)."""
+    file, function, _ = raised_in(failure.traceback, "vllm/")
+    if not (re.fullmatch(r"NotImplementedError: .*requires the V2 model runner.*", failure.exception, re.DOTALL)
+            and "vllm/model_executor/models/" in file and function == "__init__"):
+        return None
+    return (f"the model builds only under vLLM's model runner V2, which needs Triton, and vLLM's CPU backend has none "
+            f"(it runs the V1 runner; {_short(file)})")
+
+
 def _short(file: str) -> str:
     return file.split("site-packages/", 1)[-1]
 
 
 LIMITS: tuple[Callable[[EngineFailure], str | None], ...] = (_no_triton, _cpu_moe_router, _cpu_mla_float32,
-                                                              _config_unreadable, _schema_gap, _needs_tokenizer)
+                                                              _config_unreadable, _schema_gap, _needs_tokenizer,
+                                                              _cpu_attention_feature, _needs_model_runner_v2)
 
 
 def checker_limit(failure: EngineFailure) -> str | None:

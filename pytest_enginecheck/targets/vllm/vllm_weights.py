@@ -364,6 +364,13 @@ class _Builder:
         except NoTinyCheckpoint:
             raise
         except Exception as e:  # noqa: BLE001 - the tiny config's limit (a field the rules do not know)
+            from pytest_enginecheck.targets.vllm.failures import classify
+            from pytest_enginecheck.targets.vllm.limits import checker_limit
+
+            limit = checker_limit(classify(e, 0))  # a feature vLLM's CPU backend lacks: no config would build it
+            if limit:
+                raise NoTinyCheckpoint(f"vLLM's {self.architecture} cannot be built on vLLM's CPU backend: "
+                                       f"{limit}") from None
             raise NoTinyCheckpoint(f"vLLM's {self.architecture} cannot be built at TP=1 from the tiny config: "
                                    f"{type(e).__name__}: {e}") from None
         _check_size(self.architecture, model)
