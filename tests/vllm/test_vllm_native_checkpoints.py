@@ -64,3 +64,37 @@ def test_the_round_trip_names_a_written_tensor_the_model_does_not_consume(in_chi
     assert first == second  # checkpoints.SEED: the same weights every time
     assert "tensors written but not consumed: " + UNCONSUMED in message, message
     assert "parameters not (wholly) loaded" not in message, message
+
+
+# Checkpoints vLLM's loader takes under other names than its parameters': Step3Text's experts stacked, one tensor per
+# projection (``moe.gate_proj.weight`` of every expert), IQuestLoopCoder's gate projections one module shorter
+# (``gate_projections.0.weight`` for the parameter ``gate_projections.0.gate_proj.weight``). load[tp=1] of both runs
+# with the engine checks and passes; here that the checkpoint is made with those names and round-trips.
+RENAMED = {"Step3TextForCausalLM": ("model.layers.1.moe.gate_proj.weight", 4),
+           "IQuestLoopCoderForCausalLM": ("model.gate_projections.1.weight", 2)}
+
+
+def _written(workdir: str, architecture: str) -> dict[str, tuple[int, ...]]:
+    import os
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from pytest_enginecheck.targets.vllm.checkpoints import make_tiny_checkpoint
+    from pytest_enginecheck.targets.vllm.vllm_weights import WEIGHTS_FILE, prove_round_trip
+
+    os.environ["VLLM_PLUGINS"] = "clean"
+    path = make_tiny_checkpoint(architecture, Path(workdir) / architecture)
+    prove_round_trip(path)
+    with safe_open(str(path / WEIGHTS_FILE), "pt") as f:
+        return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 - safe_open's API
+
+
+@pytest.mark.parametrize("architecture", RENAMED)
+def test_a_checkpoint_is_written_under_the_names_vllms_loader_takes(in_child: Any, tmp_path: Any,
+                                                                   architecture: str) -> None:
+    name, first_dim = RENAMED[architecture]
+    shapes = in_child(_written, str(tmp_path), architecture)
+    assert shapes.get(name, (None,))[0] == first_dim, sorted(shapes)
+    assert not any(".experts.0." in n or ".gate_proj.gate_proj." in n or "gate_projections.0.gate_proj" in n
+                   for n in shapes), sorted(shapes)

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.vllm.load_check import load_tp1
 
 ARCHITECTURE = "InternLM2ForCausalLM"  # dense, fused QKV (wqkv), the cheapest of them
@@ -64,3 +66,41 @@ def test_a_config_field_no_rule_knows_is_no_tiny_checkpoint_naming_it(in_child: 
     message = in_child(_unknown_field, str(tmp_path))
     assert f"EctpRemoteForCausalLM reads the config field {UNKNOWN_FIELD}, which no rule" in message, message
     assert not (tmp_path / "ckpt" / "config.json").exists()
+
+
+# Remote configs whose fields follow rules beyond the shrink tables (remote_config.py), and what each rule wrote:
+# Solar's skip connections (LAYOUT_RULES), DeciLM's block_configs (a record field, its config class not the LlamaConfig
+# its module imports), Bailing V2.5's layer_group_size and the fields of the layers it imports from bailing_moe.py,
+# K2Horizon's MoE and attention fields. load[tp=1] of each runs with the engine checks (Solar, DeciLM and K2Horizon
+# pass; Bailing V2.5 skips on the CPU MLA backend's float32 limit): here only that the checkpoint is made, which proves
+# its round trip through vLLM's model.
+RULES = {
+    "SolarForCausalLM": {"bskcn_1": [1], "bskcn_3": [1], "bskcn_tv": [0.9, 0.8]},
+    "DeciLMForCausalLM": {"model_type": "nemotron-nas", "num_hidden_layers": 2},
+    "BailingMoeV2_5ForCausalLM": {"layer_group_size": 2, "use_bias": False, "use_qkv_bias": False},
+    "K2HorizonForCausalLM": {"router_score_func": "softmax", "mova_num_experts": 0, "rope_head_dim": 16},
+}
+
+
+def _made(workdir: str, architecture: str) -> dict[str, Any]:
+    import os
+
+    from pytest_enginecheck.targets.vllm.checkpoints import make_tiny_checkpoint
+    from pytest_enginecheck.targets.vllm.remote_config import MODULE_FILE
+
+    os.environ["VLLM_PLUGINS"] = "clean"
+    path = make_tiny_checkpoint(architecture, Path(workdir) / architecture)
+    assert (path / MODULE_FILE).is_file() and (path / "model.safetensors").is_file()
+    config: dict[str, Any] = json.loads((path / "config.json").read_text())
+    return config
+
+
+@pytest.mark.parametrize("architecture", RULES)
+def test_a_remote_configs_rules_make_a_checkpoint_that_round_trips(in_child: Any, tmp_path: Path,
+                                                                   architecture: str) -> None:
+    config = in_child(_made, str(tmp_path), architecture)
+    assert config["architectures"] == [architecture]
+    assert {field: config[field] for field in RULES[architecture]} == RULES[architecture]
+    if architecture == "DeciLMForCausalLM":
+        assert all(not block["attention"]["no_op"] and block["ffn"]["intermediate_size"] == 128
+                   for block in config["block_configs"])
