@@ -133,6 +133,12 @@ def test_a_text_decoders_config_gets_its_encoders_as_the_hubs_dicts(in_child: An
     assert args == {"language_model_only": True}
     assert shapes["transformer.embedding.weight"] == (256, 64)
     assert not [name for name in shapes if ".vision." in name]  # no tower built, none written
+    # FireRedASR2: a Qwen2Config beside a Conformer audio_encoder_conf (whose positional encoding reads a tensor's
+    # value as it is built: not on the meta device, so its size is counted on the CPU)
+    config, shapes, args = in_child(_written, str(tmp_path), "FireRedASR2ForConditionalGeneration")
+    assert config["model_type"] == "qwen2" and config["audio_encoder_conf"]["d_model"] == 64
+    assert args == {"language_model_only": True}
+    assert {name.split(".")[1] for name in shapes} == {"decoder"}  # the Conformer and its adapter are towers
 
 
 def _whisper() -> Any:

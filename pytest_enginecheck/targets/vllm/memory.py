@@ -71,14 +71,15 @@ def activation_peak(fn: Any, existing: Any = ()) -> int:
 def _meta_model(vllm_config: Any) -> Any:
     """vLLM's model for this rank on the meta device; its layers leave vLLM's forward context as found.
 
-    A constructor that reads a value of a tensor it made (vLLM's XIELU: ``beta.item()``) cannot run on the meta
-    device: that copy is built on the CPU instead (the same shapes, the tiny checkpoint's few MiB allocated). The
-    rank built the same model on the CPU a moment before, so any other error is the model's own."""
+    A constructor that reads a value of a tensor it made (vLLM's XIELU: ``beta.item()``; FireRedASR2's positional
+    encoding, where torch raises a RuntimeError) cannot run on the meta device: that copy is built on the CPU instead
+    (the same shapes, the tiny checkpoint's few MiB allocated). The rank built the same model on the CPU a moment
+    before, so any other error is the model's own."""
     from pytest_enginecheck.targets.vllm.probe import model_initializer
 
     try:
         return _built_model(model_initializer(), vllm_config, "meta")
-    except NotImplementedError as e:
+    except (NotImplementedError, RuntimeError) as e:
         if "meta tensor" not in str(e):
             raise
         return _built_model(model_initializer(), vllm_config, "cpu")

@@ -13,9 +13,9 @@ the projectors of models that build them) is written and proven by the round tri
 Three other layouts have rules: a text decoder held under a name transformers' ``get_text_config`` does not look
 for (BagelConfig's ``llm_config``: TEXT_SUB_CONFIGS); sub-configs that the class's defaults leave out and only the hub
 checkpoint fills in (OvisConfig's: HUB_SUB_CONFIGS gives them); and a config class that is the text decoder itself,
-its encoders plain dicts of the hub's config.json (GLM-4V's ChatGLMConfig and ``vision_config``: ENCODER_FIELDS,
-tiny). Any other config that is one part only (Phi-3-vision's module imports CLIPVisionConfig, its own config is
-remote code) is NoTinyCheckpoint saying so.
+its encoders plain dicts of the hub's config.json (GLM-4V's ChatGLMConfig and ``vision_config``, FireRedASR2's
+Qwen2Config and ``audio_encoder_conf``: ENCODER_FIELDS, tiny). Any other config that is one part only (Phi-3-vision's
+module imports CLIPVisionConfig, its own config is remote code) is NoTinyCheckpoint saying so.
 """
 
 from __future__ import annotations
@@ -68,15 +68,20 @@ VLLM_TEXT_SIZES: dict[str, int] = {"dim": 64, "ff_dim": 128, "n_layers": 2, "n_h
 # The attribute holding the text decoder where transformers' get_text_config does not look for it, by model_type.
 TEXT_SUB_CONFIGS: dict[str, str] = {"bagel": "llm_config"}
 # The encoders of a config class that is the text decoder itself, as the hub's config.json holds them (plain dicts vLLM
-# reads by key), tiny (ENCODER_SIZES' sizes, an image of IMAGE_PATCHES x IMAGE_PATCHES patches), by model_type:
-# GLM-4V's EVA2-CLIP vision_config and its begin/end-of-image token ids (inside the tiny vocabulary).
+# reads by key), tiny (ENCODER_SIZES' sizes, an image of IMAGE_PATCHES x IMAGE_PATCHES patches), by architecture:
+# GLM-4V's EVA2-CLIP vision_config and its begin/end-of-image token ids (inside the tiny vocabulary); FireRedASR2's
+# Conformer audio_encoder_conf (ConformerEncoder's keywords) and its adapter's downsampling.
 ENCODER_FIELDS: dict[str, dict[str, Any]] = {
-    "chatglm": {"vision_config": {"hidden_size": 64, "num_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128,
-                                  "patch_size": 14, "image_size": 14 * composite.IMAGE_PATCHES,
-                                  "num_positions": composite.IMAGE_PATCHES ** 2 + 1, "in_channels": 3,
-                                  "hidden_act": "gelu", "layer_norm_eps": 1e-6, "dropout_prob": 0.0,
-                                  "scaling_factor": 8},
-                "boi_token_id": 3, "eoi_token_id": 4},
+    "GLM4VForCausalLM": {
+        "vision_config": {"hidden_size": 64, "num_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128,
+                          "patch_size": 14, "image_size": 14 * composite.IMAGE_PATCHES,
+                          "num_positions": composite.IMAGE_PATCHES ** 2 + 1, "in_channels": 3, "hidden_act": "gelu",
+                          "layer_norm_eps": 1e-6, "dropout_prob": 0.0, "scaling_factor": 8},
+        "boi_token_id": 3, "eoi_token_id": 4},
+    "FireRedASR2ForConditionalGeneration": {
+        "audio_encoder_conf": {"idim": 80, "n_layers_enc": 2, "n_head": 2, "d_model": 64, "kernel_size": 33,
+                               "pe_maxlen": 256},
+        "encoder_downsample_rate": 2},
 }
 # Top-level fields the hub config.json copies from the text decoder, which vLLM's model reads there, by model_type.
 TEXT_FIELDS_AT_TOP: dict[str, tuple[str, ...]] = {"ultravox": ("vocab_size",), "ovis": ("hidden_size",)}
@@ -122,13 +127,13 @@ class HubLayoutConfig:
         return getattr(self.config, name)
 
 
-def _hub_layout(model_type: str, config: Any) -> dict[str, Any]:
+def _hub_layout(architecture: str, model_type: str, config: Any) -> dict[str, Any]:
     """``config``'s config.json in the hub checkpoint's layout: sub-configs under SUB_CONFIG_KEYS, HUB_FIELDS (and the
     text decoders', ``vllm_weights.HUB_FIELDS``), ENCODER_FIELDS and TEXT_FIELDS_AT_TOP set."""
     from pytest_enginecheck.targets.vllm import vllm_weights
 
     saved: dict[str, Any] = json.loads(config.to_json_string(use_diff=False))
-    saved.update({**vllm_weights.HUB_FIELDS.get(model_type, {}), **ENCODER_FIELDS.get(model_type, {})})
+    saved.update({**vllm_weights.HUB_FIELDS.get(model_type, {}), **ENCODER_FIELDS.get(architecture, {})})
     for name, key in SUB_CONFIG_KEYS.get(model_type, {}).items():
         saved[key] = json.loads(getattr(config, name).to_json_string(use_diff=False))
         saved.pop(name, None)
@@ -172,7 +177,7 @@ def tiny_multimodal_config(architecture: str, model_cls: type) -> HubLayoutConfi
         raise NoTinyCheckpoint(f"{config_cls.__name__}() (vLLM's config of model_type {model_type!r}) cannot be built "
                                f"with its defaults: {type(e).__name__}: {e}") from None
     text_name = TEXT_SUB_CONFIGS.get(model_type, "")
-    if model_type in ENCODER_FIELDS and not composite.is_composite(defaults):
+    if architecture in ENCODER_FIELDS:
         config = _text_config(config_cls, defaults)  # the text decoder itself: its encoders are ENCODER_FIELDS
     elif text_name or (composite.is_composite(defaults) and defaults.get_text_config() is not defaults):
         config = composite.tiny_composite_config(config_cls, defaults, _text_config, VLLM_ENCODER_SIZES,
@@ -188,5 +193,5 @@ def tiny_multimodal_config(architecture: str, model_cls: type) -> HubLayoutConfi
             part.tie_word_embeddings = False
     config.architectures = [architecture]
     config.dtype = "float32"
-    saved = _hub_layout(model_type, config)
+    saved = _hub_layout(architecture, model_type, config)
     return HubLayoutConfig(_read_back(model_type, config_cls, config, saved), saved)

@@ -354,8 +354,8 @@ class _Builder:
         try:
             try:
                 meta = _built_model(model_initializer(), self.vllm_config, "meta")
-            except NotImplementedError as e:  # a constructor reading a tensor's value (memory._meta_model)
-                if "meta tensor" not in str(e):
+            except (NotImplementedError, RuntimeError) as e:  # a constructor reading a tensor's value (FireRedASR2's
+                if "meta tensor" not in str(e):  # positional encoding: torch raises a RuntimeError; memory._meta_model)
                     raise
                 meta = None
             if meta is not None:
