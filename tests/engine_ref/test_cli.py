@@ -52,20 +52,22 @@ def qwen2_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def run(llama: Path, qwen2_target: Path) -> Iterator[Run]:
-    """``run(name)``: the finished process of one of the module's commands, all started at once."""
+    """``run(name)``: the finished process of one of the module's commands, all started at once; those that start
+    no engine process (a usage error, or an engine at TP=1, which runs in the CLI's own process) run as
+    ``main(argv)`` in this process while the others run: the same code path, without an interpreter each."""
     from engine_ref.model_executor.models.registry import ModelRegistry
 
-    processes = {  # these two never ask the registry for a ModelInfo
+    processes = {  # this one never asks the registry for a ModelInfo
         "make-checkpoint": start("make-checkpoint", "Qwen2ForCausalLM", str(qwen2_target), "--num-shards", "2"),
-        "missing dir": start("startup", str(qwen2_target.parent / "does-not-exist")),
     }
     ModelRegistry.inspect_model_cls(LLAMA)  # fill the shared ModelInfo cache once, before the others look
-    processes |= {
-        "startup": start("startup", LLAMA, *SMALL),
-        "startup --json": start("startup", str(llama), *SMALL, "--json"),
-        "tp 3": start("startup", str(llama), "--tensor-parallel-size", "3"),
+    processes["startup"] = start("startup", LLAMA, *SMALL)
+    in_process = {
+        "missing dir": run_main(["startup", str(qwen2_target.parent / "does-not-exist")], None),
+        "tp 3": run_main(["startup", str(llama), "--tensor-parallel-size", "3"], None),
+        "startup --json": run_main(["startup", str(llama), *SMALL, "--json"], None),
     }
-    yield lambda name: finish(processes[name])
+    yield lambda name: in_process[name] if name in in_process else finish(processes[name])
     for process in processes.values():
         if process.poll() is None:
             process.kill()

@@ -179,12 +179,20 @@ def answer_after(conn: Connection, delay_s: float, answer: bool) -> None:
 
 
 def test_answer_wait_yields_answers_and_deaths_and_leaves_the_silent_pending() -> None:
-    """One child answers, one exits without a word, one is still silent at the deadline."""
+    """One child answers, one exits without a word, one is still silent at the deadline.
+
+    The first two have ended before the silent one starts and the deadline with it (each answered or exited by then,
+    whatever the machine's load: the wait must yield both, the answer rather than its child's death), so only the
+    silent child is left to the deadline."""
     ctx = get_mp_context()
     plans = {"answers": (0.0, True), "exits": (0.0, False), "silent": (SILENT_S, True)}
     conns, procs = {}, {}
     try:
         for key, (delay_s, answer) in plans.items():
+            if key == "silent":
+                for ended in ("answers", "exits"):
+                    procs[ended].join(HANG_S)
+                    assert procs[ended].exitcode == 0, ended
             conns[key], writer = ctx.Pipe(duplex=False)
             procs[key] = start_process(answer_after, writer, delay_s, answer, ctx=ctx)
             writer.close()

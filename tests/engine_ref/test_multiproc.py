@@ -34,7 +34,7 @@ from engine_ref.executor.protocol import RpcTimeoutError
 from engine_ref.isolation import RemoteTraceback, get_mp_context, run_isolated
 from engine_ref.isolation.tempdirs import owner_dir
 from engine_ref.model_executor.model_loader.checkpoint import example_config
-from pytest_enginecheck.leaks import temp_entries, unowned_shm_entries
+from pytest_enginecheck.leaks import ForeignShmWatch, temp_entries, unowned_shm_entries
 from tests import fault_models
 from tests.fault_models import fault_overrides
 from tests.helpers import LLAMA, SMALL_ENGINE, wait_gone
@@ -200,20 +200,26 @@ def test_worker_dying_during_startup_names_rank_and_signal(faulty: Callable[...,
 @pytest.mark.parametrize("how", ["config", "env"])
 def test_hung_worker_is_dumped_and_killed_at_the_ready_timeout(faulty: Callable[..., Path], how: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    timeout_s = 2.0
-    kwargs: dict[str, Any] = {}
-    if how == "config":
-        kwargs["ready_timeout_s"] = timeout_s
-    else:
-        monkeypatch.setenv("ENGINE_REF_READY_TIMEOUT_S", str(timeout_s))
+    """Where, at the deadline, rank 0 was not ready yet either or rank 1 had not reached the planted hang (its stacks
+    show no ``_maybe_fail``: a loaded machine), the engine is started again with a deadline 4 times as long, and every
+    assertion holds for the start that reached it."""
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    error, seconds = start_failing(faulty("hang", "init"), **kwargs)
-    message = str(error)
-    assert "Worker rank 1 was not ready within 2 s (ready_timeout_s / ENGINE_REF_READY_TIMEOUT_S)" in message
+    for timeout_s in (2.0, 8.0, 32.0):
+        kwargs: dict[str, Any] = {}
+        if how == "config":
+            kwargs["ready_timeout_s"] = timeout_s
+        else:
+            monkeypatch.setenv("ENGINE_REF_READY_TIMEOUT_S", str(timeout_s))
+        error, seconds = start_failing(faulty("hang", "init"), **kwargs)
+        message = str(error)
+        if message.startswith("Worker rank 1 was not ready") and "_maybe_fail" in message:
+            break
+    assert (f"Worker rank 1 was not ready within {timeout_s:g} s (ready_timeout_s / ENGINE_REF_READY_TIMEOUT_S)"
+            in message)
     assert "and was killed" in message
     # faulthandler's dump of the hung rank: the sleep in the fault model, under the loader.
     assert "fault_models.py" in message and "_maybe_fail" in message and "load_model" in message
-    # the message's 2 s is the deadline the wait used; the default did not end it, nor the 3600 s hang
+    # the message's seconds are the deadline the wait used; the default did not end it, nor the 3600 s hang
     assert timeout_s <= seconds < DEFAULT_READY_TIMEOUT_S, "it fails at the ready timeout asked for"
     leftover = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before
                 and "from multiprocessing." not in " ".join(p.cmdline())]  # the forkserver and its tracker stay
@@ -503,6 +509,13 @@ def _snapshot(tmp: Path) -> dict[str, Any]:
     }
 
 
+def _shm_inode(name: str) -> int | None:
+    try:
+        return os.stat(f"/dev/shm/{name}", follow_symlinks=False).st_ino
+    except OSError:  # removed meanwhile
+        return None
+
+
 def test_twenty_start_stop_cycles_leave_nothing_behind(llama: Path, tiny_checkpoint: Callable[..., Path],
                                                        short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every 5th cycle is Llava with an image, so tensors travel to the workers (and torch's
@@ -515,7 +528,11 @@ def test_twenty_start_stop_cycles_leave_nothing_behind(llama: Path, tiny_checkpo
     for model in (llama, llava):  # the forkserver, the ModelInfo cache and lazy imports, once
         with LLM(str(model), tensor_parallel_size=2, **SMALL_ENGINE):
             pass
-    before = _snapshot(private_tmp)
+    # /dev/shm is the machine's: a segment another program (a vLLM run beside this one) makes and leaves unheld
+    # meanwhile is not this engine's leak; one that only this process tree held, or that no one was seen holding, is
+    shm_watch = ForeignShmWatch()
+    with shm_watch.paused():  # its look holds /proc files open: not in the fd count
+        before = _snapshot(private_tmp)
     for cycle in range(20):
         with_image = cycle % 5 == 0
         llm = LLM(str(llava if with_image else llama), tensor_parallel_size=2, **SMALL_ENGINE)
@@ -528,6 +545,9 @@ def test_twenty_start_stop_cycles_leave_nothing_behind(llama: Path, tiny_checkpo
         llm.shutdown()
         llm.shutdown()  # idempotent
         assert not wait_gone(pids, timeout=0.5), f"cycle {cycle}: workers still running after shutdown"
-    after = _snapshot(private_tmp)
+    with shm_watch.paused():
+        after = _snapshot(private_tmp)
+    foreign = shm_watch.foreign()
+    after["shared memory"] = {name for name in after["shared memory"] if _shm_inode(name) not in foreign}
     leaks = {what: {"before": before[what], "after": after[what]} for what in before if before[what] != after[what]}
     assert not leaks, f"left behind after 20 start/stop cycles: {leaks}"
