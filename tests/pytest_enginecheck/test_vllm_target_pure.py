@@ -902,3 +902,38 @@ def test_vocab_size_is_the_text_decoders_wherever_the_config_keeps_it(tmp_path: 
 
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert vocab_size(str(tmp_path)) == expected
+
+
+# --- engine.uses_mla / checks.tp_comparison_skipped: MLA models run in bfloat16, their TP comparison is skipped ---
+
+def test_mla_is_vllms_deepseek_mla_verdict_unless_bidirectional_disabled_or_the_transformers_backend() -> None:
+    from types import SimpleNamespace
+
+    from pytest_enginecheck.targets.vllm.engine import uses_mla
+
+    mla = SimpleNamespace(model_type="deepseek_v2", kv_lora_rank=8)
+    assert uses_mla(mla, True)
+    assert not uses_mla(mla, False)  # vLLM's convertor said no (kv_lora_rank None, a model type not in its list)
+    assert not uses_mla(SimpleNamespace(model_type="deepseek_v2", kv_lora_rank=8, is_causal=False), True)
+    assert not uses_mla(mla, True, mla_disabled=True)  # VLLM_MLA_DISABLE
+    # vLLM's Transformers backend decides by kv_lora_rank alone, whatever the convertor says
+    assert uses_mla(mla, False, transformers_backend=True)
+    assert not uses_mla(SimpleNamespace(model_type="llama"), True, transformers_backend=True)
+
+
+def test_the_tp_comparison_is_skipped_only_off_float32_and_says_why() -> None:
+    from pytest_enginecheck.targets.vllm.checks import tp_comparison_skipped
+
+    assert tp_comparison_skipped("LlamaForCausalLM", 2, "float32") is None
+    reason = tp_comparison_skipped("DeepseekV2ForCausalLM", 2, "bfloat16")
+    assert reason is not None
+    assert "built, loaded and generated at tensor_parallel_size=2 (bfloat16)" in reason
+    assert "derived for float32" in reason and "MLA" in reason and "amx_mla.py" in reason
+
+
+def test_an_engine_failure_names_the_dtype_vllm_ran_in() -> None:
+    from pytest_enginecheck.targets.vllm.failures import EngineFailure
+
+    failure = EngineFailure("load_model", 0, "ValueError: bad shard", "", "")
+    assert "at tensor_parallel_size=2 (bfloat16): ValueError: bad shard" in failure.describe("X", 2, "bfloat16")
+    assert "at tensor_parallel_size=2: ValueError" in failure.describe("X", 2)

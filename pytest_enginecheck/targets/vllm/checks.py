@@ -21,7 +21,14 @@ from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
 from pytest_enginecheck.checks.failures import cuda_failure, import_failure, missing_class
 from pytest_enginecheck.targets.vllm import registry
 from pytest_enginecheck.targets.vllm.checkpoints import NoTinyCheckpoint, is_tiny_checkpoint, tiny_checkpoint
-from pytest_enginecheck.targets.vllm.engine import EngineRun, EngineStartError, run_engine
+from pytest_enginecheck.targets.vllm.engine import (
+    ENGINE_ARGS,
+    MLA_DTYPE,
+    EngineRun,
+    EngineStartError,
+    engine_dtype,
+    run_engine,
+)
 from pytest_enginecheck.targets.vllm.env import redirect_caches
 from pytest_enginecheck.targets.vllm.limits import checker_limit
 from pytest_enginecheck.targets.vllm.probe import GENERATING_KINDS, MIXED_KINDS, VllmUnavailable, probe
@@ -201,16 +208,24 @@ def _checkpoint(ctx: CheckContext) -> str:
         raise CheckSkip(f"no tiny checkpoint can be made: {e}") from None
 
 
+def _dtype_args(ctx: CheckContext, ckpt: str) -> dict[str, Any]:
+    """The engine arguments load, budget and startup start vLLM with: the dtype ``engine.engine_dtype`` decides
+    (bfloat16 for a model vLLM builds with MLA attention, whose CPU backend takes no float32 weights)."""
+    transformers_backend = _model_class(ctx, _entry(ctx)).__name__.startswith("Transformers")
+    return {"dtype": engine_dtype(ckpt, transformers_backend)}
+
+
 def _start(ctx: CheckContext, ckpt: str, tp: int, mode: str, engine_args: dict[str, Any] | None = None) -> EngineRun:
+    dtype = str((engine_args or {}).get("dtype", ENGINE_ARGS["dtype"]))
     try:
         return run_engine(ckpt, tp, mode, timeout=max(10.0, ctx.timeout * 0.8), engine_args=engine_args)
     except EngineStartError as e:
         limit = checker_limit(e.failure) if is_tiny_checkpoint(ckpt, ctx.workdir) else None
         if limit:  # a limit of the checker's own tiny checkpoint on vLLM's CPU backend (limits.py), not the model's
             raise CheckSkip(f"vLLM's engine cannot run the checker's tiny checkpoint of {ctx.architecture} at "
-                            f"tensor_parallel_size={tp} in phase {e.failure.phase}: {limit}") from None
-        raise CheckFailure(e.failure.describe(ctx.architecture, tp),
-                           {"kind": "engine", "phase": e.failure.phase, "rank": e.failure.rank,
+                            f"tensor_parallel_size={tp} ({dtype}) in phase {e.failure.phase}: {limit}") from None
+        raise CheckFailure(e.failure.describe(ctx.architecture, tp, dtype),
+                           {"kind": "engine", "phase": e.failure.phase, "rank": e.failure.rank, "dtype": dtype,
                             "traceback": e.failure.traceback}) from None
 
 
@@ -273,16 +288,35 @@ def logprob_difference(run: list[list[dict[str, float]]],
     return worst
 
 
+def tp_comparison_skipped(architecture: str, tp: int, dtype: str) -> str | None:
+    """Why load[tp=N] does not compare TP=N's tokens and log-probabilities to TP=1's for a model vLLM runs in
+    ``dtype`` here, after TP=N built, loaded and generated; None where it compares them (float32)."""
+    if dtype == ENGINE_ARGS["dtype"]:
+        return None
+    return (f"{architecture} built, loaded and generated at tensor_parallel_size={tp} ({dtype}), but its tokens and "
+            f"log-probabilities are not compared to tensor_parallel_size=1's: that comparison's bound "
+            f"(LOGPROB_TOLERANCE {LOGPROB_TOLERANCE:g}) is derived for float32, and vLLM builds this model with MLA "
+            f"attention, whose CPU backend (attention/backends/mla/amx_mla.py) runs only {MLA_DTYPE}, where "
+            f"rounding alone can move log-probabilities past that bound and flip near-tie greedy tokens")
+
+
 def run_load(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
     """load[tp=N]: vLLM builds, loads and generates at TP=N, and its greedy tokens equal TP=1's and its
-    log-probabilities (top-k of every prompt and generated position) TP=1's within LOGPROB_TOLERANCE (float32)."""
+    log-probabilities (top-k of every prompt and generated position) TP=1's within LOGPROB_TOLERANCE (float32).
+    A model vLLM runs in bfloat16 (MLA attention, ``engine.engine_dtype``) is not compared: a CheckSkip saying why
+    (``tp_comparison_skipped``), once TP=N ran."""
     ckpt = _checkpoint(ctx)
     _verify_tp(ckpt, ctx.tp)
-    run = _shared_run(ctx, ckpt, ctx.tp, mode)
-    detail = {"tensor_parallel_size": ctx.tp, "tokens": run.tokens, "seconds": run.seconds}
+    args = _dtype_args(ctx, ckpt)
+    run = _shared_run(ctx, ckpt, ctx.tp, mode, args)
+    dtype = args["dtype"]
+    detail = {"tensor_parallel_size": ctx.tp, "dtype": dtype, "tokens": run.tokens, "seconds": run.seconds}
     if ctx.tp == 1:
         return detail
-    reference = _shared_run(ctx, ckpt, 1, mode)
+    skipped = tp_comparison_skipped(ctx.architecture, ctx.tp, dtype)
+    if skipped:
+        raise CheckSkip(skipped)
+    reference = _shared_run(ctx, ckpt, 1, mode, args)
     for i, (got, want) in enumerate(zip(run.tokens, reference.tokens, strict=True)):
         if got != want:
             position = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
@@ -290,7 +324,7 @@ def run_load(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
             diagnosis = _diagnosis(ctx, ckpt, i, mode)
             raise CheckFailure(
                 f"{ctx.architecture} at tensor_parallel_size={ctx.tp} generates other greedy tokens than at "
-                f"tensor_parallel_size=1 (float32): prompt {i} differs from token {position} on (TP={ctx.tp}: {got}, "
+                f"tensor_parallel_size=1 ({dtype}): prompt {i} differs from token {position} on (TP={ctx.tp}: {got}, "
                 f"TP=1: {want}). "
                 f"{diagnosis}",
                 {**detail, "kind": "tp_mismatch", "reference_tokens": reference.tokens, "diagnosis": diagnosis})
@@ -305,7 +339,7 @@ def run_load(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
         where = "a prompt token" if j < prompt_length else f"generated token {j - prompt_length}"
         raise CheckFailure(
             f"{ctx.architecture} at tensor_parallel_size={ctx.tp} generates the same greedy tokens but other "
-            f"log-probabilities than at tensor_parallel_size=1 (float32): max difference {difference:.3g} at prompt "
+            f"log-probabilities than at tensor_parallel_size=1 ({dtype}): max difference {difference:.3g} at prompt "
             f"{i}, position {j} ({where}), above tolerance {LOGPROB_TOLERANCE:g}. {diagnosis}",
             {**detail, "kind": "tp_mismatch", "prompt": i, "position": j, "diagnosis": diagnosis})
     return detail
@@ -318,14 +352,15 @@ def run_budget(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
     ckpt = _checkpoint(ctx)
     _verify_tp(ckpt, ctx.tp)
     budget = ctx.budget_memory  # --enginecheck-budget-memory: each rank's device size
-    run = _shared_run(ctx, ckpt, ctx.tp, mode)
+    args = _dtype_args(ctx, ckpt)
+    run = _shared_run(ctx, ckpt, ctx.tp, mode, args)
     limit = parse_size(budget)
     over = [m for m in run.memory if m["needs"] > limit]
-    detail = {"tensor_parallel_size": ctx.tp, "budget": budget, "memory_per_rank": run.memory,
+    detail = {"tensor_parallel_size": ctx.tp, "dtype": args["dtype"], "budget": budget, "memory_per_rank": run.memory,
               "counted": "needs = weights + buffers + activation_peak + kv_one_request (kv_cache_allocated is what "
                          "vLLM allocated from VLLM_CPU_KVCACHE_SPACE, not what the model needs)"}
     if over:
-        raise CheckFailure(f"{ctx.architecture} at tensor_parallel_size={ctx.tp}: " + "; ".join(
+        raise CheckFailure(f"{ctx.architecture} at tensor_parallel_size={ctx.tp} ({args['dtype']}): " + "; ".join(
             f"rank {m['rank']} needs {format_bytes(m['needs'])} (weights {format_bytes(m['weights'])}, activations "
             f"{format_bytes(m['activation_peak'])}, KV {format_bytes(m['kv_one_request'])} for one request of "
             f"max_model_len, buffers {format_bytes(m['buffers'])}) but the budget is {budget}" for m in over),
@@ -339,20 +374,22 @@ def run_startup(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
 
     ckpt = _checkpoint(ctx)
     tp = max(t for t in (*ctx.tp_sizes, 1) if t == 1 or _fits(ckpt, t))
+    args = _dtype_args(ctx, ckpt)
     # vLLM binds ZeroMQ IPC sockets in (each rank's private dir in) TMPDIR: keep the path short of the
     # 107-byte socket limit by creating the check's private TMPDIR directly in /tmp.
     watch_only_this_engine("/tmp" if os.path.isdir("/tmp") else ctx.workdir)
     private = os.environ["TMPDIR"]
     try:
         before = ResourceSnapshot.take(watch=True)
-        run = _start(ctx, ckpt, tp, mode)
+        run = _start(ctx, ckpt, tp, mode, args)
         leaks = wait_for_no_leaks(before, ignore_regular_files=True)
     finally:
         shutil.rmtree(private, ignore_errors=True)
     if leaks:
-        raise CheckFailure(f"{ctx.architecture} started and shut down at tensor_parallel_size={tp}, but left behind: "
+        raise CheckFailure(f"{ctx.architecture} started and shut down at tensor_parallel_size={tp} ({args['dtype']}), "
+                           f"but left behind: "
                            f"{'; '.join(leaks)}.", {"kind": "leak", "leaks": leaks})
-    return {"tensor_parallel_size": tp, "seconds": run.seconds}
+    return {"tensor_parallel_size": tp, "dtype": args["dtype"], "seconds": run.seconds}
 
 
 def _fits(ckpt: str, tp: int) -> bool:

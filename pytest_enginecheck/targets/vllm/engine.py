@@ -64,6 +64,53 @@ ENGINE_ARGS: dict[str, Any] = {"skip_tokenizer_init": True, "enforce_eager": Tru
                                "max_num_batched_tokens": MAX_MODEL_LEN, "seed": 0}
 
 
+# The dtype of a model vLLM builds with MLA attention (``uses_mla``): vLLM's CPU MLA backend packs its absorbed weights
+# with a kernel that takes bfloat16, float16 or int8 only (attention/backends/mla/amx_mla.py, "expect weight to be
+# bfloat16"); bfloat16 is what vLLM picks for such a model by default.
+MLA_DTYPE = "bfloat16"
+
+
+def uses_mla(text_config: Any, is_deepseek_mla: bool, *, transformers_backend: bool = False,
+             mla_disabled: bool = False) -> bool:
+    """vLLM's ``ModelConfig.use_mla`` for a model whose text config is ``text_config``: ``is_deepseek_mla`` is what
+    vLLM's model-arch convertor says of it (its list of MLA model types, each with ``kv_lora_rank`` set), a model of
+    vLLM's Transformers backend uses MLA where its config has a ``kv_lora_rank``, a bidirectional one
+    (``is_causal=False``) never does, and ``VLLM_MLA_DISABLE`` (``mla_disabled``) turns it off for all."""
+    if mla_disabled:
+        return False
+    if transformers_backend:
+        return getattr(text_config, "kv_lora_rank", None) is not None
+    return bool(getattr(text_config, "is_causal", True)) and is_deepseek_mla
+
+
+def vllm_uses_mla(ckpt: str, transformers_backend: bool = False) -> bool:
+    """Whether vLLM builds the checkpoint at ``ckpt`` with MLA attention (``uses_mla`` over the config vLLM reads,
+    with vLLM's own convertor deciding ``is_deepseek_mla``), without building vLLM's whole ModelConfig (which
+    inspects the model class in a subprocess: about a minute here)."""
+    try:
+        import vllm.config  # noqa: F401 - first: the convertor's module imports vllm.config (a cycle the other way)
+        from vllm import envs
+        from vllm.transformers_utils.config import get_config, get_hf_text_config
+        from vllm.transformers_utils.model_arch_config_convertor import (
+            MODEL_ARCH_CONFIG_CONVERTORS,
+            ModelArchConfigConvertorBase,
+        )
+    except ImportError as e:
+        raise VllmUnavailable(f"vLLM's config reader or model-arch convertor is missing ({e}): the engine checks "
+                              f"cannot tell whether vLLM builds the model with MLA attention") from None
+    hf_config = get_config(ckpt, trust_remote_code=bool(checkpoint_args(ckpt).get("trust_remote_code")))
+    text_config = get_hf_text_config(hf_config)
+    convertor = MODEL_ARCH_CONFIG_CONVERTORS.get(hf_config.model_type, ModelArchConfigConvertorBase)
+    return uses_mla(text_config, convertor(hf_config, text_config).is_deepseek_mla(),
+                    transformers_backend=transformers_backend, mla_disabled=bool(envs.VLLM_MLA_DISABLE))
+
+
+def engine_dtype(ckpt: str, transformers_backend: bool = False) -> str:
+    """The dtype the engine checks start vLLM in for ``ckpt``: ENGINE_ARGS' float32, or MLA_DTYPE where vLLM builds
+    the model with MLA attention (``vllm_uses_mla``)."""
+    return MLA_DTYPE if vllm_uses_mla(ckpt, transformers_backend) else str(ENGINE_ARGS["dtype"])
+
+
 def checkpoint_args(ckpt: str) -> dict[str, Any]:
     """vLLM's arguments the checkpoint at ``ckpt`` needs: a composite one's text decoder alone
     (``composite.engine_args``), ``trust_remote_code`` for one whose config is the checker's remote config

@@ -29,10 +29,12 @@ class EngineFailure:
     user_frames: str
     traceback: str
 
-    def describe(self, architecture: str, tp: int) -> str:
+    def describe(self, architecture: str, tp: int, dtype: str = "") -> str:
+        """What failed, where, at which TP size (and, given, in which dtype vLLM ran), and the user's frames."""
         frames = f"\nIn your code:\n{self.user_frames}" if self.user_frames else ""
-        return (f"{architecture} failed in phase {self.phase} on rank {self.rank} at tensor_parallel_size={tp}: "
-                f"{self.exception}{frames}")
+        ran_in = f" ({dtype})" if dtype else ""
+        return (f"{architecture} failed in phase {self.phase} on rank {self.rank} at tensor_parallel_size={tp}"
+                f"{ran_in}: {self.exception}{frames}")
 
 
 def _is_user(filename: str) -> bool:
