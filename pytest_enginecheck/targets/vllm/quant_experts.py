@@ -49,11 +49,11 @@ def routing(num_experts: int, top_k: int) -> tuple[Any, Any]:
 def checkpoint_names(model: Any, layer: str, moe: Any) -> dict[str, str]:
     """``"expert:shard"`` -> the checkpoint tensor of that expert's gate (w1), up (w3) or down (w2) projection weight
     of the fused MoE layer ``layer``, by the layer's own expert mapping (as vllm_weights splits fused experts)."""
-    from pytest_enginecheck.targets.vllm.vllm_weights import _expert_mapping, _unmapped
+    from pytest_enginecheck.targets.vllm.vllm_weights import expert_mapping, unmapped_name
 
     block = layer[: layer.rfind(".experts.") + 1] if ".experts." in layer else f"{layer.rpartition('.')[0]}."
     names = {}
-    for param_part, weight_part, expert, shard in _expert_mapping(model, moe):
+    for param_part, weight_part, expert, shard in expert_mapping(model, moe):
         if shard not in SHARDS:
             continue
         attr = f"{param_part.rpartition('.')[2]}weight"  # "w13_weight"
@@ -61,7 +61,7 @@ def checkpoint_names(model: Any, layer: str, moe: Any) -> dict[str, str]:
             name = f"{block}{weight_part}weight"
         else:
             name = f"{layer}.{attr}".replace(param_part, weight_part, 1)
-        names[f"{expert}:{shard}"] = _unmapped(model, name)
+        names[f"{expert}:{shard}"] = unmapped_name(model, name)
     return names
 
 

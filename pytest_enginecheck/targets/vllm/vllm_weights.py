@@ -423,7 +423,7 @@ def _random(shape: tuple[int, ...], dtype: Any, norm: bool) -> Any:
     return (values + 1 if norm else values).to(dtype)
 
 
-def _unmapped(model: Any, name: str) -> str:
+def unmapped_name(model: Any, name: str) -> str:
     """The checkpoint name vLLM's ``hf_to_vllm_mapper`` maps to the parameter ``name``: ``name`` itself where the
     mapper leaves it so, else the first inverse of one of its prefix/substring/suffix rules that maps back."""
     mapper = getattr(model, "hf_to_vllm_mapper", None)
@@ -438,7 +438,7 @@ def _unmapped(model: Any, name: str) -> str:
     return name
 
 
-def _expert_mapping(model: Any, moe: Any) -> list[tuple[str, str, int, str]]:
+def expert_mapping(model: Any, moe: Any) -> list[tuple[str, str, int, str]]:
     """(parameter part, checkpoint part, expert, shard) of a fused MoE layer: the layer's own ``get_expert_mapping``
     (RoutedExperts knows its checkpoint names), else the model's, else vLLM's for gate_proj/up_proj/down_proj."""
     for owner in (moe, model):
@@ -483,7 +483,7 @@ def checkpoint_shapes(model: Any, whole: Collection[str] = (), stacked_experts: 
         norm = "norm" in type(module).__name__.lower() and param.dim() == 1
         if isinstance(module, fused_moe):
             for ckpt_name, shape in _expert_shapes(model, module, name, attr, param, stacked_experts):
-                shapes[_unmapped(model, ckpt_name)] = (shape, param.dtype, False)
+                shapes[unmapped_name(model, ckpt_name)] = (shape, param.dtype, False)
             continue
         leaf = owner.rpartition(".")[2]
         sizes = list(getattr(module, "output_sizes", None) or [])
@@ -492,9 +492,9 @@ def checkpoint_shapes(model: Any, whole: Collection[str] = (), stacked_experts: 
             dim = getattr(param, "output_dim", 0)
             for shard, size in zip(shards, sizes, strict=True):
                 shape = tuple(size if d == dim else n for d, n in enumerate(param.shape))
-                shapes[_unmapped(model, f"{owner[: -len(leaf)]}{shard}.{attr}")] = (shape, param.dtype, False)
+                shapes[unmapped_name(model, f"{owner[: -len(leaf)]}{shard}.{attr}")] = (shape, param.dtype, False)
             continue
-        shapes[_unmapped(model, name)] = (tuple(param.shape), param.dtype, norm)
+        shapes[unmapped_name(model, name)] = (tuple(param.shape), param.dtype, norm)
     return shapes
 
 
@@ -506,7 +506,7 @@ def _expert_shapes(model: Any, moe: Any, name: str, attr: str, param: Any, stack
     of all the experts, named without the expert (``experts.0.gate_proj.`` -> ``gate_proj.``)."""
     block = name[: name.rfind(".experts.") + 1]
     seen: set[str] = set()
-    for param_part, weight_part, _expert, shard in _expert_mapping(model, moe):
+    for param_part, weight_part, _expert, shard in expert_mapping(model, moe):
         token = param_part.rpartition(".")[2]  # "w13_"
         if not attr.startswith(token):
             continue
