@@ -399,8 +399,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     differing, largest = compare_local(run_q, run_d, dtype)
     detail["largest_local_error"] = largest
     if differing:
-        worst = differing[0]
-        more = f" ({len(differing) - 1} more)" if differing[1:] else ""
+        worst, more = differing[0], _more(differing)
         raise CheckFailure(
             f"The {method} layer {worst['name']} of {ctx.architecture} at tensor_parallel_size={ctx.tp} (rank "
             f"{worst['rank']}, {worst['method']}) does not compute what the unquantized layer holding the dequantized "
@@ -414,6 +413,10 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     return detail
 
 
+def _more(differing: list[dict[str, Any]]) -> str:
+    return f" ({len(differing) - 1} more)" if differing[1:] else ""
+
+
 def _check_experts(ctx: CheckContext, run_q: EngineRun, detail: dict[str, Any]) -> None:
     """The expert oracle (quant_experts): a failure naming the first fused MoE layer outside its derived bound, a
     skip naming the layers no oracle checks (a pass would claim what was not checked)."""
@@ -423,8 +426,7 @@ def _check_experts(ctx: CheckContext, run_q: EngineRun, detail: dict[str, Any]) 
     differing, share, unchecked = compare_experts(run_q.captures)
     detail["largest_expert_error_share"] = share  # of the derived bound; a correct kernel stays at or below 1
     if differing:
-        worst = differing[0]
-        more = f" ({len(differing) - 1} more)" if differing[1:] else ""
+        worst, more = differing[0], _more(differing)
         raise CheckFailure(
             f"The {ctx.quantization} MoE experts {worst['name']} of {ctx.architecture} at tensor_parallel_size="
             f"{ctx.tp} (rank {worst['rank']}, {worst['method']}) do not compute what the dequantized experts deq(W) "
