@@ -937,3 +937,10 @@ def test_an_engine_failure_names_the_dtype_vllm_ran_in() -> None:
     failure = EngineFailure("load_model", 0, "ValueError: bad shard", "", "")
     assert "at tensor_parallel_size=2 (bfloat16): ValueError: bad shard" in failure.describe("X", 2, "bfloat16")
     assert "at tensor_parallel_size=2: ValueError" in failure.describe("X", 2)
+
+
+def test_grouped_expert_routing_left_none_gets_one_group_and_a_set_one_is_kept() -> None:
+    from pytest_enginecheck.targets.vllm.checkpoints import tiny_sizes
+
+    assert tiny_sizes({"n_group": None, "topk_group": None}) == {"n_group": 1, "topk_group": 1}
+    assert "n_group" not in tiny_sizes({"n_group": 8, "topk_group": 4})

@@ -42,6 +42,10 @@ TINY_SIZES: dict[str, Any] = {
 SUB_CONFIG_HUB_FIELDS: dict[tuple[str, str], Callable[[Any], Any]] = {
     ("attn_config", "rope_theta"): lambda config: (getattr(config, "rope_parameters", None) or {}).get("rope_theta"),
 }
+# Grouped expert routing (DeepSeek's n_group, topk_group): transformers' DeepseekV2Config leaves them None, which vLLM's
+# deepseek_v2.py passes on to a router that then asserts them set (hub checkpoints set them); one group, as vLLM assumes
+# where the config has no such field.
+GROUP_ROUTING = ("n_group", "topk_group")
 EXPERT_COUNTS = ("num_local_experts", "num_experts")
 EXPERT_FIELDS = (*EXPERT_COUNTS, "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 
@@ -55,7 +59,7 @@ def tiny_sizes(fields: Mapping[str, Any]) -> dict[str, Any]:
 
     TINY_SIZES where the config has the field; a router that picks fewer experts per token than TINY_SIZES (Llama
     4's top-1) keeps its own number; a config without experts by default keeps its expert fields; a config that
-    lists ``layer_types`` gets one full-attention layer per layer.
+    lists ``layer_types`` gets one full-attention layer per layer; grouped routing left None gets one group.
     """
     sizes = {k: v for k, v in TINY_SIZES.items() if k in fields}
     counts = [fields[k] for k in EXPERT_COUNTS if k in fields]
@@ -70,6 +74,9 @@ def tiny_sizes(fields: Mapping[str, Any]) -> dict[str, Any]:
         sizes["num_experts_per_tok"] = min(fields["num_experts_per_tok"], TINY_SIZES["num_experts_per_tok"])
     if "layer_types" in fields:
         sizes["layer_types"] = ["full_attention"] * sizes.get("num_hidden_layers", 2)
+    for group in GROUP_ROUTING:
+        if group in fields and fields[group] is None:
+            sizes[group] = 1
     if isinstance(fields.get("num_heads"), int) and isinstance(fields.get("expand"), int) and "head_dim" in sizes:
         # Mamba2's SSM heads: hidden_size * expand == num_heads * head_dim, in groups that divide the heads
         hidden = sizes.get("hidden_size", fields.get("hidden_size", 0))
@@ -179,7 +186,7 @@ def tiny_config(architecture: str, model_cls: type | None = None) -> Any:
 def tiny_text_config(config_cls: type, defaults: Any, more_sizes: Mapping[str, Any] | None = None) -> Any:
     """A text decoder's config class with TINY_SIZES applied; ``defaults`` is its default config. ``more_sizes``:
     sizes of other fields, applied where the config has them (vLLM's own configs' names: vllm_weights.py)."""
-    names = (*TINY_SIZES, "num_heads", "expand", "n_groups", "attention_hidden_size")
+    names = (*TINY_SIZES, "num_heads", "expand", "n_groups", "attention_hidden_size", *GROUP_ROUTING)
     fields = {k: v for k in names if (v := _default(defaults, k)) is not _MISSING}
     if "layer_types" in defaults.to_dict():
         fields["layer_types"] = defaults.layer_types
