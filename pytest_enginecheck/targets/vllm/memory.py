@@ -86,18 +86,22 @@ def _meta_model(vllm_config: Any) -> Any:
 
 
 def _built_model(initialize_model: Any, vllm_config: Any, device: str) -> Any:
-    """The model built on ``device`` with a forward context of its own: its layers register there, not beside the
-    rank's (a model that names its layers without the prefix it is given, as Zamba2's mamba layers, would collide:
-    "Duplicate layer name: 1.mixer")."""
+    """The model built on ``device`` in the engine's dtype (vLLM's loader builds it under that default dtype, so
+    a bfloat16 engine's weights are counted at 2 bytes, not at float32's 4), with a forward context of its own: its
+    layers register there, not beside the rank's (a model that names its layers without the prefix it is given, as
+    Zamba2's mamba layers, would collide: "Duplicate layer name: 1.mixer")."""
     import torch
 
     compilation = vllm_config.compilation_config
     context = compilation.static_forward_context
     compilation.static_forward_context = {}
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(vllm_config.model_config.dtype)
     try:
         with torch.device(device):
             return initialize_model(vllm_config=vllm_config, prefix="enginecheck_meta")
     finally:
+        torch.set_default_dtype(default_dtype)
         compilation.static_forward_context = context
 
 
