@@ -18,10 +18,10 @@ import pytest
 
 from pytest_enginecheck.report import summary_mode, summary_table
 from tests.helpers import alive
-from tests.zoo_sessions import ROOT_CAUSES, ZooSession, zoo_session
+from tests.zoo_sessions import ROOT_CAUSES, TP_DIAGNOSIS, ZooSession, zoo_session
 
 # the fixture that reads a shared zoo session -> its name (started early: tests/zoo_sessions.py)
-ZOO_SESSIONS = {"root_causes": "root-causes"}
+ZOO_SESSIONS = {"root_causes": "root-causes", "tp_diagnosis": "tp-diagnosis"}
 
 ZOO = Path(__file__).parents[1] / "plugin_zoo"
 MODELS: dict[str, str] = runpy.run_path(str(ZOO / "zoo" / "__init__.py"))["MODELS"]
@@ -309,19 +309,30 @@ def test_strict_mode_fails_cuda_queries_at_import(zoo: pytest.Pytester) -> None:
     result.assert_outcomes(passed=2, failed=3, deselected=len(MODELS) - 5)
 
 
-def test_load_catches_wrong_sharding_and_startup_catches_leaks(zoo: pytest.Pytester) -> None:
+@pytest.fixture(scope="module")
+def tp_diagnosis(tmp_path_factory: pytest.TempPathFactory) -> ZooSession:
+    """The load and startup run over zoo.tp_registry (BadShardLlamaForCausalLM among its TP bugs), shared with
+    test_diagnosis."""
+    return zoo_session(tmp_path_factory, "tp-diagnosis", *TP_DIAGNOSIS)
+
+
+def test_load_catches_wrong_sharding_and_startup_catches_leaks(zoo: pytest.Pytester, tp_diagnosis: ZooSession) -> None:
+    """BadShardLlamaForCausalLM's load items are read from the shared tp-diagnosis session (the same class,
+    zoo.engine_models:BadShardLlamaForCausalLM, the same load check); the leaks run here."""
+    shard = tp_diagnosis.results
+    assert {check: shard[("BadShardLlamaForCausalLM", check)]["outcome"] for check in ("load[tp=1]", "load[tp=2]")} \
+        == {"load[tp=1]": "passed", "load[tp=2]": "failed"}
+    tp_diagnosis.result.stdout.fnmatch_lines([glob("architecture * load[tp=1]  load[tp=2]  startup"),
+                                              "BadShardLlamaForCausalLM * ok * FAIL *"])
     result, results = run_enginecheck(zoo, "--enginecheck-target=zoo.registry:REGISTRY",
-                                      "--enginecheck-checks=load,startup",
-                                      "-k", "BadShard and load or Leak and startup")
+                                      "--enginecheck-checks=load,startup", "-k", "Leak and startup")
     assert {key: r["outcome"] for key, r in results.items()} == {
-        ("BadShardLlamaForCausalLM", "load[tp=1]"): "passed",
-        ("BadShardLlamaForCausalLM", "load[tp=2]"): "failed",
         ("TempLeakLlamaForCausalLM", "startup"): "failed",
         ("ProcessLeakLlamaForCausalLM", "startup"): "failed",
     }
-    tp1 = results[("BadShardLlamaForCausalLM", "load[tp=1]")]["detail"]
+    tp1 = shard[("BadShardLlamaForCausalLM", "load[tp=1]")]["detail"]
     assert tp1["tensor_parallel_size"] == 1 and len(tp1["bytes_read_per_rank"]) == 1
-    tp2 = results[("BadShardLlamaForCausalLM", "load[tp=2]")]
+    tp2 = shard[("BadShardLlamaForCausalLM", "load[tp=2]")]
     assert tp2["message"].startswith("At tensor_parallel_size=2, BadShardLlamaForCausalLM generates different "
                                      "tokens than at tensor_parallel_size=1 (prompt ")
     assert tp2["message"].endswith("The first module whose output differs between tensor_parallel_size=1 and 2 is "
@@ -344,6 +355,16 @@ def test_load_catches_wrong_sharding_and_startup_catches_leaks(zoo: pytest.Pytes
     assert [pid for pid in map(int, helpers.groups()) if alive(pid, "time.sleep(60)")] == []
     result.stdout.fnmatch_lines([glob(line) for line in (
         "*= enginecheck summary =*",
+        "architecture * startup",
+        "-----*",
+        "ProcessLeakLlamaForCausalLM * FAIL*",
+        "TempLeakLlamaForCausalLM * FAIL*",
+        "2 architectures: 0 passed, 2 failed, 0 skipped",
+    )])
+    # the table of both runs' items together, as one run of both printed it: '-' where a check did not run
+    both = [shard[("BadShardLlamaForCausalLM", check)] for check in ("load[tp=1]", "load[tp=2]")]
+    both += results.values()
+    pytest.RunResult(0, summary_table(both), [], 0.0).stdout.fnmatch_lines([glob(line) for line in (
         "architecture * load[tp=1]  load[tp=2]  startup",
         "-----*",
         "BadShardLlamaForCausalLM * ok * FAIL * -*",
