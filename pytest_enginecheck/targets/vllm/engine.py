@@ -107,8 +107,15 @@ def vllm_uses_mla(ckpt: str, transformers_backend: bool = False) -> bool:
 
 def engine_dtype(ckpt: str, transformers_backend: bool = False) -> str:
     """The dtype the engine checks start vLLM in for ``ckpt``: ENGINE_ARGS' float32, or MLA_DTYPE where vLLM builds
-    the model with MLA attention (``vllm_uses_mla``)."""
-    return MLA_DTYPE if vllm_uses_mla(ckpt, transformers_backend) else str(ENGINE_ARGS["dtype"])
+    the model with MLA attention (``vllm_uses_mla``). Where vLLM cannot even read the config, float32: the engine
+    start then meets the same error and gives the verdict (a config-phase failure, or limits.py's skip)."""
+    try:
+        mla = vllm_uses_mla(ckpt, transformers_backend)
+    except VllmUnavailable:
+        raise
+    except Exception:  # noqa: BLE001 - reported by the engine start that reads the same config
+        mla = False
+    return MLA_DTYPE if mla else str(ENGINE_ARGS["dtype"])
 
 
 def checkpoint_args(ckpt: str) -> dict[str, Any]:
