@@ -88,7 +88,7 @@ def test_budget_says_what_a_rank_needs(in_child: Any, tmp_path: Any, architectur
         assert rank["weights"] > 0 and rank["activation_peak"] > 0 and rank["needs"] < 16 * 2**20
         return
     assert isinstance(result, str), result
-    assert result.startswith(f"{architecture} at tensor_parallel_size=1: rank 0 needs 32.")
+    assert result.startswith(f"{architecture} at tensor_parallel_size=1 (float32): rank 0 needs 32.")
     assert "buffers 32.03 MiB" in result and "but the budget is 16MiB" in result
 
 
@@ -105,7 +105,7 @@ def test_budget_counts_a_workspace_a_view_keeps_alive(in_child: Any, tmp_path: A
         assert 12 * 2**20 < rank["activation_peak"] < 13 * 2**20, rank
         return
     assert isinstance(result, str), result
-    assert result.startswith(f"{architecture} at tensor_parallel_size=1: rank 0 needs 24.")
+    assert result.startswith(f"{architecture} at tensor_parallel_size=1 (float32): rank 0 needs 24.")
     assert "activations 24." in result and "but the budget is 16MiB" in result
 
 
