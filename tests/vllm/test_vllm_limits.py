@@ -104,8 +104,8 @@ def test_a_kernel_vllms_cpu_backend_lacks_is_a_skip_naming_it(in_limits_child: A
     outcome, message, _ = in_limits_child(_outcome, "load", str(tmp_path), "OlmoHybridForCausalLM")
     assert outcome == "skipped", message
     assert message.startswith("vLLM's engine cannot run the checker's tiny checkpoint of OlmoHybridForCausalLM at "
-                              "tensor_parallel_size=1 (float32) in phase load_model: vLLM's CPU backend has no Triton (the "
-                              "installed triton has no CPU backend and no triton.set_allocator)"), message
+                              "tensor_parallel_size=1 (float32) in phase load_model: vLLM's CPU backend has no "
+                              "Triton (the installed triton has no CPU backend and no triton.set_allocator)"), message
     assert "olmo_gdn_linear_attn.py" in message
 
 
@@ -113,7 +113,8 @@ def test_a_model_that_raises_while_loading_layer_1_still_fails(in_limits_child: 
     outcome, message, detail = in_limits_child(_outcome, "load", str(tmp_path), "EclmLayer1LoadRaisesForCausalLM")
     assert outcome == "failed", message
     assert message.startswith("EclmLayer1LoadRaisesForCausalLM failed in phase load_model on rank 0 at "
-                              "tensor_parallel_size=1 (float32): ValueError: eclm: cannot load model.layers.1."), message
+                              "tensor_parallel_size=1 (float32): ValueError: eclm: cannot load "
+                              "model.layers.1."), message
     assert detail["cause"].startswith("ValueError: eclm: cannot load model.layers.1.")
 
 
