@@ -1,11 +1,12 @@
 """vLLM target: what every architecture of the installed vLLM's registry gets from the checks, by kind.
 
-    python benchmarks/vllm_coverage.py [--kind KIND ...] [--details] [--json PATH]
+    python benchmarks/vllm_coverage.py [--kind KIND ...] [--jobs N] [--details] [--json PATH]
 
 Run it with the Python of a venv that has vLLM (the vllm tier's: ``V=$(.ci/vllm-venv | tail -1)``). For each
-architecture, in name order and in this one process, it runs what ``load``/``budget``/``startup`` run before they
-start vLLM's engine (``checks._checkpoint``: the import under the CUDA guard, the kind vLLM's registry lists it as,
-vLLM's ModelInfo, the tiny checkpoint, written into a temp dir removed at the end), and sorts the outcome:
+architecture, in name order and in this one process (unless ``--jobs``), it runs what ``load``/``budget``/``startup``
+run before they start vLLM's engine (``checks._checkpoint``: the import under the CUDA guard, the kind vLLM's
+registry lists it as, vLLM's ModelInfo, the tiny checkpoint, written into a temp dir removed at the end), and sorts
+the outcome:
 
 - ``engine checks``: a tiny checkpoint is made, so load, budget and startup run vLLM's engine on it;
 - ``skipped: <reason class>``: the engine checks skip, and import + inspect are all it gets;
@@ -15,18 +16,22 @@ vLLM's ModelInfo, the tiny checkpoint, written into a temp dir removed at the en
 Prints a markdown table (outcome x kind, with totals) for the README, then with ``--details`` one line per
 architecture that gets no engine checks. The table holds no timings (the wall time goes to stderr), so two runs
 on the same venv print the same table. ``--kind`` limits the run to some kinds (``text generation`` alone is what
-tests/vllm/test_vllm_coverage.py runs).
+tests/vllm/test_vllm_coverage.py runs). ``--jobs N`` measures in N processes side by side, each a ``--shard`` of the
+architectures (every N-th in name order), and merges their results: the same table, in about 1/N of the time on N
+cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
@@ -102,16 +107,40 @@ def coverage(architecture: str, module: str, class_name: str, kind: str, workdir
     return Coverage(architecture, kind, ENGINE, "")
 
 
-def measure(kinds: set[str] | None = None) -> list[Coverage]:
-    """Coverage of every architecture of the installed vLLM's registry (of ``kinds`` only, when given)."""
+def measure(kinds: set[str] | None = None, shard: tuple[int, int] = (0, 1)) -> list[Coverage]:
+    """Coverage of every architecture of the installed vLLM's registry (of ``kinds`` only, when given); of shard
+    ``(k, n)``, every n-th of them from the k-th, in name order."""
     from pytest_enginecheck.targets.vllm.probe import probe
     from pytest_enginecheck.targets.vllm.registry import list_architectures
 
     api = probe()
     kind = {e.architecture: api.model_kinds.get(e.architecture) or OUT_OF_TREE for e in list_architectures()}
-    entries = [e for e in list_architectures() if kinds is None or kind[e.architecture] in kinds]
+    entries = [e for e in list_architectures() if kinds is None or kind[e.architecture] in kinds][shard[0]::shard[1]]
     with tempfile.TemporaryDirectory(prefix="enginecheck-coverage-") as workdir:
         return [coverage(e.architecture, e.module, e.class_name, kind[e.architecture], workdir) for e in entries]
+
+
+def measure_in_jobs(jobs: int, argv: list[str]) -> list[Coverage]:
+    """``measure`` in ``jobs`` processes of this script side by side, each one shard (``argv``: the kinds), merged
+    in name order. A shard that fails raises with its stderr."""
+    with tempfile.TemporaryDirectory(prefix="enginecheck-coverage-jobs-") as tmp:
+        outs = [f"{tmp}/{k}.json" for k in range(jobs)]
+        shards = [subprocess.Popen([sys.executable, __file__, *argv, "--shard", f"{k}/{jobs}", "--json", out],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                  for k, out in enumerate(outs)]
+        errors = [(k, shard.communicate()[1], shard.returncode) for k, shard in enumerate(shards)]
+        failed = [f"shard {k}/{jobs} exited {rc}:\n{err[-4000:]}" for k, err, rc in errors if rc != 0]
+        if failed:
+            raise RuntimeError("\n".join(failed))
+        results = [Coverage(**r) for out in outs for r in json.loads(Path(out).read_text())["architectures"]]
+    return sorted(results, key=lambda r: r.architecture)
+
+
+def _shard(value: str) -> tuple[int, int]:
+    k, _, n = value.partition("/")
+    if not (k.isdigit() and n.isdigit() and 0 <= int(k) < int(n)):
+        raise argparse.ArgumentTypeError(f"--shard {value!r}: give K/N with 0 <= K < N, e.g. 0/2")
+    return int(k), int(n)
 
 
 def table(results: list[Coverage]) -> str:
@@ -148,11 +177,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kind", action="append", choices=sorted({*COLUMNS, TRANSFORMERS_BACKEND, OUT_OF_TREE}),
                         help="only architectures of this kind (repeatable; default: all)")
+    parser.add_argument("--jobs", type=int, default=1, help="measure in this many processes side by side")
+    parser.add_argument("--shard", type=_shard, default=(0, 1), help="K/N: only every N-th architecture from the K-th")
     parser.add_argument("--details", action="store_true", help="one line per architecture without engine checks")
     parser.add_argument("--json", help="also write every architecture's outcome to this file")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    results = measure(set(args.kind) if args.kind else None)
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: give 1 or more processes")
+    kinds = [arg for kind in args.kind or () for arg in ("--kind", kind)]
+    results = (measure_in_jobs(args.jobs, kinds) if args.jobs > 1
+               else measure(set(args.kind) if args.kind else None, args.shard))
     print(f"Coverage of the engine checks ({_versions()}):\n")
     print(table(results))
     engine = [r for r in results if r.outcome == ENGINE]
