@@ -944,3 +944,61 @@ def test_grouped_expert_routing_left_none_gets_one_group_and_a_set_one_is_kept()
 
     assert tiny_sizes({"n_group": None, "topk_group": None}) == {"n_group": 1, "topk_group": 1}
     assert "n_group" not in tiny_sizes({"n_group": 8, "topk_group": 4})
+
+
+def test_grouped_routing_over_tiny_experts_keeps_groups_that_hold_experts() -> None:
+    from pytest_enginecheck.targets.vllm.checkpoints import TINY_GROUPS, TINY_SIZES, tiny_sizes
+
+    sizes = tiny_sizes({"num_local_experts": 256, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4})
+    assert sizes["n_group"] == TINY_GROUPS["n_group"] and sizes["topk_group"] == TINY_GROUPS["topk_group"]
+    per_group = TINY_SIZES["num_local_experts"] // sizes["n_group"]
+    assert TINY_SIZES["num_local_experts"] % sizes["n_group"] == 0
+    assert sizes["topk_group"] * per_group >= sizes["num_experts_per_tok"]  # the chosen groups hold the top-k
+
+
+def test_a_dense_layer_count_leaves_one_moe_layer_and_rotary_dim_keeps_its_share_of_the_head() -> None:
+    from pytest_enginecheck.targets.vllm.checkpoints import tiny_sizes
+
+    assert tiny_sizes({"num_hidden_layers": 24, "num_dense_layers": 2})["num_dense_layers"] == 1  # Lfm2-MoE
+    assert "num_dense_layers" not in tiny_sizes({"num_hidden_layers": 24, "num_dense_layers": 1})  # kept: 1 of 2
+    assert "first_k_dense_replace" not in tiny_sizes({"num_hidden_layers": 61, "first_k_dense_replace": 3})
+    gptj = tiny_sizes({"hidden_size": 4096, "num_attention_heads": 16, "rotary_dim": 64})  # 64 of a 256 head
+    assert gptj["rotary_dim"] == 8 and 0 < gptj["rotary_dim"] <= 64 // 2  # a quarter of the tiny head (32)
+    full = tiny_sizes({"hidden_size": 4096, "num_attention_heads": 16, "head_dim": 128, "rotary_dim": 128})
+    assert full["rotary_dim"] == full["head_dim"]
+
+
+def test_hub_fields_give_the_hub_names_vllm_reads_from_what_transformers_wrote() -> None:
+    from pytest_enginecheck.targets.vllm.checkpoints import hub_fields
+
+    glm = {"model_type": "glm4_moe", "hidden_size": 64, "num_attention_heads": 2, "partial_rotary_factor": 0.5}
+    assert hub_fields(glm) == {"head_dim": 32}
+    hy = hub_fields({"model_type": "hy_v3", "moe_intermediate_size": 64, "mlp_layer_types": ["dense", "sparse"]})
+    assert hy["expert_hidden_dim"] == 64 and hy["first_k_dense_replace"] == 1 and hy["qk_norm"] is True
+    minimax = {"model_type": "minimax_m2", "head_dim": 32, "rope_parameters": {"partial_rotary_factor": 0.5}}
+    assert hub_fields(minimax)["rotary_dim"] == 16
+    assert hub_fields({"model_type": "lfm2", "hidden_size": 64}) == {"block_dim": 64, "conv_dim": 64}
+    assert hub_fields({"model_type": "llama", "hidden_size": 64}) == {}
+
+
+def test_what_transformers_writer_gets_wrong_is_repaired_by_name() -> None:
+    from pytest_enginecheck.targets.vllm.checkpoints import written_name, zero_expert_tensors
+
+    assert written_name("model.layers.1.hc_pre.hc_mlp_layer.hc_base", "hy_v4") == \
+        "model.layers.1.hc_mlp_layer.hc_pre.hc_base"
+    assert written_name("model.hc_pre.hc_head.hc_head_scale", "hy_v4") == "model.hc_head.hc_head_scale"
+    assert written_name("model.hc_pre.hc_head.hc_head_scale", "llama") == "model.hc_pre.hc_head.hc_head_scale"
+    names = ["model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.0.mlp.experts.4.up_proj.weight",
+             "model.layers.0.mlp.experts.12.gate_proj.weight", "model.layers.0.mlp.router.classifier.weight"]
+    assert zero_expert_tensors(names, 4) == names[1:3]
+
+
+def test_an_attribute_map_the_model_sets_makes_its_targets_reads() -> None:
+    from pytest_enginecheck.targets.vllm.remote_config import config_reads
+
+    source = textwrap.dedent('''
+        def build(vllm_config):
+            vllm_config.model_config.hf_config.attribute_map = {"num_hidden_layers": "n_layer", "rms_norm_eps": 1}
+            return vllm_config.model_config.hf_config
+        ''')
+    assert config_reads(source).required == frozenset({"n_layer"})

@@ -14,9 +14,10 @@ import dataclasses
 import inspect
 import json
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ TINY_SIZES: dict[str, Any] = {
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None,
     # Gemma 3n: no layer shares another's KV (its 15 shared layers outnumber the tiny model's), a tiny per-layer input
     "num_kv_shared_layers": 0, "vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 32,
+    # LongCat-Flash's zero-computation (identity) experts beside its routed ones (256 beside 512 on the hub)
+    "zero_expert_num": 2,
 }
 
 
@@ -46,6 +49,14 @@ SUB_CONFIG_HUB_FIELDS: dict[tuple[str, str], Callable[[Any], Any]] = {
 # deepseek_v2.py passes on to a router that then asserts them set (hub checkpoints set them); one group, as vLLM assumes
 # where the config has no such field.
 GROUP_ROUTING = ("n_group", "topk_group")
+# Grouped routing set (DeepSeek V3's 8 groups, top 4) over the tiny experts (TINY_SIZES' 4): 2 groups of 2, the top
+# group's 2 experts routed to (TINY_SIZES' num_experts_per_tok); 8 groups of 4 experts leave no expert in a group.
+TINY_GROUPS = {"n_group": 2, "topk_group": 1}
+# The count of dense (MLP) layers before the first MoE layer: at most all layers but one, so the tiny model keeps a
+# MoE layer (Lfm2-MoE's 2 dense layers of 2 left none, and vLLM's lfm2_moe.py raises where it finds no MoE block).
+# Not DeepSeek V3's first_k_dense_replace (3): its all-dense tiny model runs, and a MoE layer would route with sigmoid
+# scores in groups, which vLLM's CPU MoE router lacks (limits.py).
+DENSE_PREFIX = ("num_dense_layers",)
 EXPERT_COUNTS = ("num_local_experts", "num_experts")
 EXPERT_FIELDS = (*EXPERT_COUNTS, "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 
@@ -59,7 +70,9 @@ def tiny_sizes(fields: Mapping[str, Any]) -> dict[str, Any]:
 
     TINY_SIZES where the config has the field; a router that picks fewer experts per token than TINY_SIZES (Llama
     4's top-1) keeps its own number; a config without experts by default keeps its expert fields; a config that
-    lists ``layer_types`` gets one full-attention layer per layer; grouped routing left None gets one group.
+    lists ``layer_types`` gets one full-attention layer per layer; grouped routing left None gets one group, grouped
+    routing set gets TINY_GROUPS over the tiny experts; a dense-layer count (DENSE_PREFIX) leaves one MoE layer; a
+    partial rotary ``rotary_dim`` keeps its proportion of the head.
     """
     sizes = {k: v for k, v in TINY_SIZES.items() if k in fields}
     counts = [fields[k] for k in EXPERT_COUNTS if k in fields]
@@ -77,6 +90,14 @@ def tiny_sizes(fields: Mapping[str, Any]) -> dict[str, Any]:
     for group in GROUP_ROUTING:
         if group in fields and fields[group] is None:
             sizes[group] = 1
+    if isinstance(fields.get("n_group"), int) and fields["n_group"] > 1 and any(k in sizes for k in EXPERT_COUNTS):
+        sizes.update(TINY_GROUPS)
+    layers = sizes.get("num_hidden_layers", fields.get("num_hidden_layers"))
+    for dense in DENSE_PREFIX:
+        if isinstance(fields.get(dense), int) and isinstance(layers, int) and fields[dense] >= layers:
+            sizes[dense] = max(layers - 1, 0)
+    if isinstance(fields.get("rotary_dim"), int):
+        sizes["rotary_dim"] = _tiny_rotary_dim(fields, sizes)
     if isinstance(fields.get("num_heads"), int) and isinstance(fields.get("expand"), int) and "head_dim" in sizes:
         # Mamba2's SSM heads: hidden_size * expand == num_heads * head_dim, in groups that divide the heads
         hidden = sizes.get("hidden_size", fields.get("hidden_size", 0))
@@ -84,6 +105,23 @@ def tiny_sizes(fields: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(fields.get("n_groups"), int):
             sizes["n_groups"] = min(fields["n_groups"], 2)
     return sizes
+
+
+def _head_size(sizes: Mapping[str, Any]) -> int | None:
+    """The attention head size of ``sizes``: its head_dim, else hidden_size / num_attention_heads (None unknown)."""
+    if isinstance(sizes.get("head_dim"), int):
+        return int(sizes["head_dim"])
+    hidden, heads = sizes.get("hidden_size"), sizes.get("num_attention_heads")
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+
+
+def _tiny_rotary_dim(fields: Mapping[str, Any], sizes: Mapping[str, Any]) -> int:
+    """The rotary part of a tiny head (``rotary_dim``: GPT-J's 64 of a 256 head) in the default's proportion, even, at
+    least 2 and at most the head: kept as it is (64), it is twice the tiny head, which vLLM's RoPE refuses."""
+    head, tiny_head = _head_size(fields), _head_size({**fields, **sizes})
+    if not head or not tiny_head:
+        return int(fields["rotary_dim"])
+    return max(2, min(tiny_head, tiny_head * fields["rotary_dim"] // head) // 2 * 2)
 
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
@@ -157,6 +195,32 @@ def hf_class(architecture: str, model_cls: type | None = None) -> Any:
     return found
 
 
+def foreign_base(architecture: str, model_cls: type | None, hf: Any) -> str:
+    """Why the transformers class ``hf`` of a base class of vLLM's ``model_cls`` cannot make ``architecture``'s
+    checkpoint, or "": the config fields that vLLM's classes above that base read without a default (the sources of
+    their modules, ``remote_config.config_reads``) and its default config has not (vLLM's TeleChat2ForCausalLM, a
+    LlamaForCausalLM, reads its hub config's ``n_head``; TeleFLM's ``use_mup``: their configs are not Llama's)."""
+    if model_cls is None or hf.__name__ == architecture:
+        return ""
+    from pytest_enginecheck.targets.vllm.remote_config import config_reads
+
+    above = []
+    for cls in model_cls.__mro__:
+        if cls.__name__ == hf.__name__:
+            break
+        above.append(inspect.getmodule(cls))
+    try:
+        defaults = hf.config_class()
+        reads = [config_reads(inspect.getsource(m)).required for m in dict.fromkeys(above) if m is not None]
+    except Exception:  # noqa: BLE001 - no default config or no source: judged where the checkpoint is built
+        return ""
+    missing = sorted(f for f in frozenset().union(*reads) if not hasattr(defaults, f))
+    if not missing:
+        return ""
+    return (f"vLLM's {architecture} reads the config field{'s' * (len(missing) > 1)} {', '.join(missing)}, which "
+            f"{type(defaults).__name__} of its base class {hf.__name__} has not: its checkpoint is not that class's")
+
+
 def tiny_config(architecture: str, model_cls: type | None = None) -> Any:
     """The architecture's transformers config with TINY_SIZES applied."""
     hf = hf_class(architecture, model_cls)
@@ -186,7 +250,8 @@ def tiny_config(architecture: str, model_cls: type | None = None) -> Any:
 def tiny_text_config(config_cls: type, defaults: Any, more_sizes: Mapping[str, Any] | None = None) -> Any:
     """A text decoder's config class with TINY_SIZES applied; ``defaults`` is its default config. ``more_sizes``:
     sizes of other fields, applied where the config has them (vLLM's own configs' names: vllm_weights.py)."""
-    names = (*TINY_SIZES, "num_heads", "expand", "n_groups", "attention_hidden_size", *GROUP_ROUTING)
+    names = (*TINY_SIZES, "num_heads", "expand", "n_groups", "attention_hidden_size", *GROUP_ROUTING, *DENSE_PREFIX,
+             "rotary_dim")
     fields = {k: v for k in names if (v := _default(defaults, k)) is not _MISSING}
     if "layer_types" in defaults.to_dict():
         fields["layer_types"] = defaults.layer_types
@@ -215,12 +280,12 @@ def make_tiny_checkpoint(architecture: str, path: Path, model_cls: type | None =
     from pytest_enginecheck.targets.vllm import composite
 
     try:
-        hf_class(architecture, model_cls)
-        no_class = ""
+        no_class = foreign_base(architecture, model_cls, hf_class(architecture, model_cls))
     except NoTinyCheckpoint as e:
         no_class = str(e)
-    if no_class:  # no transformers class: vLLM's config class, weights from vLLM's model (outside the except block:
-        # what its fork raises is then not chained to this, and limits.py finds the frame that raised it)
+    if no_class:  # no transformers class, or a base class's whose config is not its: vLLM's config class, weights
+        # from vLLM's model (outside the except block: what its fork raises is then not chained to this, and
+        # limits.py finds the frame that raised it)
         from pytest_enginecheck.targets.vllm import vllm_weights
 
         return vllm_weights.make_vllm_checkpoint(architecture, path, model_cls, reason=no_class)
@@ -238,6 +303,8 @@ def make_tiny_checkpoint(architecture: str, path: Path, model_cls: type | None =
     try:
         _save_without_progress_bar(model, path)
         composite.undo_doubled_prefixes(path, model)
+        drop_zero_experts(path, config)
+        rename_written(path, str(getattr(config, "model_type", "")))
     except Exception as e:  # noqa: BLE001 - transformers' writer refusing the tiny model, not the vLLM model
         raise NoTinyCheckpoint(f"transformers cannot save a tiny {architecture}: {type(e).__name__}: {e}") from None
     config_path = Path(path) / "config.json"
@@ -246,6 +313,64 @@ def make_tiny_checkpoint(architecture: str, path: Path, model_cls: type | None =
     saved.update({k: v for k, v in hub_fields(saved).items() if k not in saved})
     config_path.write_text(json.dumps(saved, indent=2))
     return path
+
+
+def zero_expert_tensors(names: Iterable[str], routed_experts: int) -> list[str]:
+    """The names among ``names`` of experts numbered ``routed_experts`` and up (``mlp.experts.4.gate_proj.weight``
+    where 4 experts are routed): zero-computation experts, which have no weights."""
+    return [name for name in names if (m := re.search(r"\.experts\.(\d+)\.", name)) and int(m[1]) >= routed_experts]
+
+
+def drop_zero_experts(path: Path, config: Any) -> list[str]:
+    """Remove from the checkpoint at ``path`` the tensors transformers' writer made for zero-computation experts, and
+    return their names. LongCat-Flash's ``zero_expert_num`` identity experts have no weights (the hub checkpoints
+    have ``n_routed_experts`` experts), but transformers' LongcatFlashExperts allocates the fused gate/up projection
+    of all of them, and its writer splits that into ``experts.N.gate_proj``/``up_proj`` of every one, which vLLM's
+    loader, knowing the routed experts only, raises a KeyError on."""
+    from safetensors.torch import load_file, save_file
+
+    routed = getattr(config, "n_routed_experts", None)
+    if not getattr(config, "zero_expert_num", None) or not isinstance(routed, int):
+        return []
+    dropped = []
+    for file in sorted(Path(path).glob("*.safetensors")):
+        tensors = load_file(file)
+        zero = zero_expert_tensors(tensors, routed)
+        if zero:
+            dropped += zero
+            save_file({n: t for n, t in tensors.items() if n not in zero}, file, metadata={"format": "pt"})
+    return dropped
+
+
+# Names transformers' writer gets wrong, by model_type: (pattern, replacement) over the names it wrote, giving the hub
+# checkpoints' names. HY V4: transformers reads the hub's ``layers.N.hc_attn_layer.hc_pre.hc_base`` by dropping the
+# ``.hc_pre`` of ``.hc_pre.hc_`` first (conversion_mapping.py), and its writer puts it back before the first ``.hc_``
+# of the name: ``layers.N.hc_pre.hc_attn_layer.hc_base``, and ``hc_pre.hc_head.hc_head_base`` for the hub's
+# ``hc_head.hc_head_base``; vLLM's hy_v4 loads the hub's names.
+WRITTEN_NAMES: dict[str, list[tuple[str, str]]] = {
+    "hy_v4": [(r"\.hc_pre\.hc_head\.", ".hc_head."), (r"\.hc_pre\.(hc_(?:attn|mlp)_layer)\.", r".\1.hc_pre.")],
+}
+
+
+def rename_written(path: Path, model_type: str) -> list[str]:
+    """Rename the tensors of the checkpoint at ``path`` by WRITTEN_NAMES' rules of ``model_type``; the names renamed."""
+    from safetensors.torch import load_file, save_file
+
+    renamed = []
+    for file in sorted(Path(path).glob("*.safetensors")) if WRITTEN_NAMES.get(model_type) else []:
+        tensors = load_file(file)
+        names = {name: written_name(name, model_type) for name in tensors}
+        if any(new != name for name, new in names.items()):
+            renamed += [name for name, new in names.items() if new != name]
+            save_file({names[n]: t for n, t in tensors.items()}, file, metadata={"format": "pt"})
+    return renamed
+
+
+def written_name(name: str, model_type: str) -> str:
+    """``name`` as the hub checkpoints of ``model_type`` name it (WRITTEN_NAMES)."""
+    for pattern, replacement in WRITTEN_NAMES.get(model_type, []):
+        name = re.sub(pattern, replacement, name)
+    return name
 
 
 def _too_large(hf_cls: type, config: Any) -> str:
@@ -267,18 +392,50 @@ def _too_large(hf_cls: type, config: Any) -> str:
     return f"{total / 1e6:.0f}M parameters and buffers (the largest: {name} {tuple(largest.shape)})"
 
 
+def _saved_head_dim(saved: Mapping[str, Any]) -> int:
+    """The head size of the config.json ``saved``: its head_dim, else hidden_size / num_attention_heads."""
+    return int(saved.get("head_dim") or saved["hidden_size"] // saved["num_attention_heads"])
+
+
+def _saved_rotary_dim(saved: Mapping[str, Any]) -> int:
+    """The rotary part of a head of ``saved``: the head size times its partial_rotary_factor (1 where none)."""
+    rope = saved.get("rope_parameters") or {}
+    return int(_saved_head_dim(saved) * rope.get("partial_rotary_factor", saved.get("partial_rotary_factor", 1.0)))
+
+
+# Fields of the hub checkpoints' config schema that transformers' config class dropped or renamed (it converts them
+# when it reads a hub config.json, and writes its own names), which vLLM's model of that model_type reads, by
+# model_type: each derived from what transformers wrote, or what transformers' modeling hard-codes where the hub's
+# config says it (HY V3's and MiniMax-M2's sigmoid routing with a score-correction bias, normalized top-k; HY V3's
+# and LongCat-Flash's QK norm and MLA LoRA scales, its identity zero experts). vLLM's name in the comment of each.
+HUB_SCHEMA: dict[str, dict[str, Callable[[Mapping[str, Any]], Any]]] = {
+    "glm4_moe": {"head_dim": _saved_head_dim},  # glm4_moe.py: head_dim=config.head_dim
+    "hy_v3": {"expert_hidden_dim": lambda s: s["moe_intermediate_size"], "route_norm": lambda s: True,
+              "qk_norm": lambda s: True},
+    "afmoe": {"score_func": lambda s: "sigmoid", "route_norm": lambda s: True, "n_group": lambda s: 1,
+              "topk_group": lambda s: 1},
+    "minimax_m2": {"rotary_dim": _saved_rotary_dim, "scoring_func": lambda s: "sigmoid",
+                   "use_routing_bias": lambda s: True},
+    "lfm2": {"block_dim": lambda s: s["hidden_size"], "conv_dim": lambda s: s["hidden_size"]},
+    "longcat_flash": {"mla_scale_q_lora": lambda s: True, "mla_scale_kv_lora": lambda s: True,
+                      "zero_expert_type": lambda s: "identity"},
+}
+
+
 def hub_fields(saved: Mapping[str, Any]) -> dict[str, Any]:
     """Fields of the hub checkpoints' config schema that transformers' config class replaced, derived from what it
-    wrote, for the vLLM models that read the hub's names: ``mlp_layer_types`` of dense layers, then sparse (MoE) ones
-    is the hub's ``first_k_dense_replace`` (every layer after them MoE: ``moe_layer_freq`` 1; GLM-4.7-Flash's
-    Glm4MoeLiteConfig). transformers keeps them as extra attributes and ignores them."""
+    wrote, for the vLLM models that read the hub's names: HUB_SCHEMA's of the model_type, and ``mlp_layer_types`` of
+    dense layers, then sparse (MoE) ones as the hub's ``first_k_dense_replace`` (every layer after them MoE:
+    ``moe_layer_freq`` 1; GLM-4.7-Flash's Glm4MoeLiteConfig). transformers keeps them as extra attributes and
+    ignores them; the callers add only those ``saved`` has not."""
+    fields = {name: rule(saved) for name, rule in HUB_SCHEMA.get(str(saved.get("model_type")), {}).items()}
     mlp = saved.get("mlp_layer_types")
     if not isinstance(mlp, list):
-        return {}
+        return fields
     dense = next((i for i, kind in enumerate(mlp) if kind != "dense"), len(mlp))
     if not all(kind == "sparse" for kind in mlp[dense:]):
-        return {}
-    return {"first_k_dense_replace": dense, "moe_layer_freq": 1}
+        return fields
+    return {**fields, "first_k_dense_replace": dense, "moe_layer_freq": 1}
 
 
 def _save_without_progress_bar(model: Any, path: Path) -> None:

@@ -64,11 +64,15 @@ LLAMA_DEFAULTS: dict[str, Any] = {
     "rope_local_theta": ROPE_THETA, "short_conv_kernel_size": 4, "bskcn_tv": [0.9, 0.8],
     # Bailing V3's KDA layers without their low-rank gate projections, the only KDA vLLM builds (it raises otherwise)
     "no_kda_lora": True,
+    # TeleFLM's muP on, at the scales that make it a no-op (logits x output_mult / mup_scale_factor)
+    "use_mup": True, "mup_scale_factor": 1.0, "output_mult": 1.0,
 }
 # Sizes of fields only remote configs have: Bailing V3's shared expert (TINY_SIZES' shared_expert_intermediate_size),
 # K2Horizon's RoPE part of a head (half of it: its partial RoPE, folded into q/k at load).
 REMOTE_SIZES: dict[str, Any] = {"moe_shared_expert_intermediate_size": TINY_SIZES["shared_expert_intermediate_size"],
-                                "rope_head_dim": TINY_SIZES["head_dim"] // 2}
+                                "rope_head_dim": TINY_SIZES["head_dim"] // 2,
+                                # TeleChat2's (GPT-2's) names of the layer and head counts
+                                "n_layer": TINY_SIZES["num_hidden_layers"], "n_head": TINY_SIZES["num_attention_heads"]}
 # DeciLM's (Nemotron-NAS) block of a layer: attention with a KV head per query head group, a feed-forward of the tiny
 # intermediate size (given, not derived from ffn_mult: that rounds up to multiples of 256), neither a no-op.
 DECI_BLOCK: dict[str, dict[str, Any]] = {
@@ -142,12 +146,18 @@ def config_reads(source: str) -> ConfigReads:
     ``hf_config.X`` (not a method called: ``config.get_text_config()``) and ``getattr(config, "X")``. Optional:
     ``getattr(config, "X", default)`` where no plain read needs it. Off, whatever else reads them: any field
     ``hasattr(config, "X")`` tests (openPangu's MLA fields, read only where all are there) and any read with an "off"
-    default (MiniCPM's ``getattr(config, "num_experts", 0)``: dense without)."""
+    default (MiniCPM's ``getattr(config, "num_experts", 0)``: dense without). Required too: the names an
+    ``attribute_map`` the model sets on its config maps to (TeleChat2's ``num_hidden_layers`` -> ``n_layer``): every
+    read of the mapped name reads them."""
     tree = ast.parse(source)
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)]
     methods = {id(call.func) for call in calls}
     required = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and _is_config(node.value)
                 and isinstance(node.ctx, ast.Load) and id(node) not in methods}
+    required |= {value.value for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                 and isinstance(node.value, ast.Dict)
+                 and any(isinstance(t, ast.Attribute) and t.attr == "attribute_map" for t in node.targets)
+                 for value in node.value.values if isinstance(value, ast.Constant) and isinstance(value.value, str)}
     defaulted: set[str] = set()
     off: set[str] = set()
     for call in calls:
