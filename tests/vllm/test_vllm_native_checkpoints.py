@@ -98,3 +98,27 @@ def test_a_checkpoint_is_written_under_the_names_vllms_loader_takes(in_child: An
     assert shapes.get(name, (None,))[0] == first_dim, sorted(shapes)
     assert not any(".experts.0." in n or ".gate_proj.gate_proj." in n or "gate_projections.0.gate_proj" in n
                    for n in shapes), sorted(shapes)
+
+
+# Architectures whose tiny checkpoint needed a family rule of the shrink (checkpoints.py), with a field of the written
+# config.json that shows the rule: GLM-4.5's hub ``head_dim`` that transformers' Glm4MoeConfig dropped (HUB_SCHEMA),
+# GPT-J's ``rotary_dim`` in its share of the tiny head (vLLM's RoPE refused 64 of a 32 head), Lfm2-MoE's dense layers
+# leaving a MoE layer (vLLM's lfm2_moe.py raised finding none), TeleFLM's muP fields (a LlamaForCausalLM whose config
+# is not Llama's: the checker's remote config, checkpoints.foreign_base).
+FAMILY_RULES = {"Glm4MoeForCausalLM": ("head_dim", 32), "GPTJForCausalLM": ("rotary_dim", 8),
+                "Lfm2MoeForCausalLM": ("num_dense_layers", 1), "TeleFLMForCausalLM": ("use_mup", True)}
+
+
+@pytest.mark.parametrize("architecture", FAMILY_RULES)
+def test_load_tp1_passes_on_the_tiny_checkpoint_of_a_family_rule(in_child: Any, tmp_path: Any,
+                                                                 architecture: str) -> None:
+    import json
+
+    from pytest_enginecheck.targets.vllm.checkpoints import CHECKPOINTS_DIR
+
+    detail = in_child(load_tp1, str(tmp_path), architecture, timeout=480.0)
+    assert isinstance(detail, dict), detail
+    assert detail["tensor_parallel_size"] == 1 and all(len(tokens) > 0 for tokens in detail["tokens"])
+    field, value = FAMILY_RULES[architecture]
+    config = json.loads((tmp_path / CHECKPOINTS_DIR / architecture / "config.json").read_text())
+    assert config[field] == value, config
