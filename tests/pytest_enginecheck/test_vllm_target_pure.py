@@ -1002,3 +1002,17 @@ def test_an_attribute_map_the_model_sets_makes_its_targets_reads() -> None:
             return vllm_config.model_config.hf_config
         ''')
     assert config_reads(source).required == frozenset({"n_layer"})
+
+
+def test_a_stacking_mapper_names_the_shards_of_a_packed_layer_in_shard_order() -> None:
+    from types import SimpleNamespace
+
+    from pytest_enginecheck.targets.vllm.vllm_weights import stacked_shards
+
+    # TeleChat2Model's mapper (on the inner model, not the outer one): the hub's query/key/value, gate/up projections
+    mapper = SimpleNamespace(orig_to_new_stacked={".value": (".qkv_proj", "v"), ".query": (".qkv_proj", "q"),
+                                                  ".key": (".qkv_proj", "k"), ".up_proj": (".gate_up_proj", 1),
+                                                  ".gate_proj": (".gate_up_proj", 0)})
+    inner, outer = SimpleNamespace(hf_to_vllm_mapper=mapper), SimpleNamespace(hf_to_vllm_mapper=None)
+    model = SimpleNamespace(modules=lambda: iter([outer, inner]))
+    assert stacked_shards(model) == {"qkv_proj": ["query", "key", "value"], "gate_up_proj": ["gate_proj", "up_proj"]}

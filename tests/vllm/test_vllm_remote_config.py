@@ -79,6 +79,9 @@ RULES = {
     "DeciLMForCausalLM": {"model_type": "nemotron-nas", "num_hidden_layers": 2},
     "BailingMoeV2_5ForCausalLM": {"layer_group_size": 2, "use_bias": False, "use_qkv_bias": False},
     "K2HorizonForCausalLM": {"router_score_func": "softmax", "mova_num_experts": 0, "rope_head_dim": 16},
+    # a LlamaForCausalLM whose config is not Llama's (checkpoints.foreign_base): the names its attribute_map maps to,
+    # its weights under the hub's query/key/value names (its mapper's orig_to_new_stacked); load[tp=1] passes
+    "TeleChat2ForCausalLM": {"n_head": 2, "n_layer": 2, "ffn_hidden_size": 128},
 }
 
 

@@ -228,7 +228,7 @@ def _write(architecture: str, path: Path, config: Any, remote: Any = None) -> Pa
     ``remote_config.RemoteConfig``), then the weights and the round trip in a fork; a half-made checkpoint is
     removed before NoTinyCheckpoint goes on."""
     from engine_ref.isolation import run_isolated
-    from pytest_enginecheck.targets.vllm import remote_config
+    from pytest_enginecheck.targets.vllm import remote_config, tokenizer
 
     _import_in_parent()
     saved = json.loads(config.to_json_string(use_diff=False))
@@ -239,6 +239,7 @@ def _write(architecture: str, path: Path, config: Any, remote: Any = None) -> Pa
         remote.write(path)
         saved["auto_map"] = dict(remote_config.AUTO_MAP)
     (path / "config.json").write_text(json.dumps(saved, indent=2))
+    tokenizer.write_tokenizer_if_needed(architecture, path, None)  # a model whose __init__ reads it (tokenizer.py)
     try:
         run_isolated(_write_and_prove, str(path), timeout=FORK_TIMEOUT_S, name=f"vllm-weights:{architecture}")
     except NoTinyCheckpoint:
@@ -476,6 +477,7 @@ def checkpoint_shapes(model: Any, whole: Collection[str] = (), stacked_experts: 
 
     fused_moe = find(FUSED_MOE, "the tiny checkpoint splits fused experts with")
     packed = {**DEFAULT_PACKED, **(getattr(model, "packed_modules_mapping", None) or {})}
+    stacked = stacked_shards(model)
     shapes: dict[str, tuple[tuple[int, ...], Any, bool]] = {}
     for name, param in model.named_parameters():
         owner, _, attr = name.rpartition(".")
@@ -487,7 +489,7 @@ def checkpoint_shapes(model: Any, whole: Collection[str] = (), stacked_experts: 
             continue
         leaf = owner.rpartition(".")[2]
         sizes = list(getattr(module, "output_sizes", None) or [])
-        shards = packed.get(leaf, [leaf])
+        shards = stacked[leaf] if len(stacked.get(leaf, [])) == len(sizes) > 1 else packed.get(leaf, [leaf])
         if len(shards) > 1 and len(shards) == len(sizes) and owner not in whole:
             dim = getattr(param, "output_dim", 0)
             for shard, size in zip(shards, sizes, strict=True):
@@ -496,6 +498,24 @@ def checkpoint_shapes(model: Any, whole: Collection[str] = (), stacked_experts: 
             continue
         shapes[unmapped_name(model, name)] = (tuple(param.shape), param.dtype, norm)
     return shapes
+
+
+def stacked_shards(model: Any) -> dict[str, list[str]]:
+    """The checkpoint shards of packed layers that a ``hf_to_vllm_mapper`` of ``model`` or of one of its modules
+    stacks (``orig_to_new_stacked``: TeleChat2Model's ``.query`` -> ``(.qkv_proj, "q")``), by packed layer, in shard
+    order (q, k, v; 0, 1): the hub's names, where the model's packed_modules_mapping names vLLM's usual ones. Only
+    rules of one module name to one (no path), and only layers whose every shard one name gives."""
+    order = {"q": 0, "k": 1, "v": 2}
+    stacked: dict[str, dict[int, set[str]]] = {}
+    for module in model.modules():
+        rules = getattr(getattr(module, "hf_to_vllm_mapper", None), "orig_to_new_stacked", None) or {}
+        for orig, (new, shard) in rules.items():
+            one_name = "." not in orig.strip(".") and "." not in new.strip(".")
+            if one_name and (not isinstance(shard, str) or shard in order):
+                index = order[shard] if isinstance(shard, str) else int(shard)
+                stacked.setdefault(new.strip("."), {}).setdefault(index, set()).add(orig.strip("."))
+    return {layer: [next(iter(shards[i])) for i in sorted(shards)] for layer, shards in stacked.items()
+            if all(len(names) == 1 for names in shards.values())}
 
 
 def _expert_shapes(model: Any, moe: Any, name: str, attr: str, param: Any, stacked: bool = False
