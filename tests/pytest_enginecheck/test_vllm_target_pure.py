@@ -1016,3 +1016,19 @@ def test_a_stacking_mapper_names_the_shards_of_a_packed_layer_in_shard_order() -
     inner, outer = SimpleNamespace(hf_to_vllm_mapper=mapper), SimpleNamespace(hf_to_vllm_mapper=None)
     model = SimpleNamespace(modules=lambda: iter([outer, inner]))
     assert stacked_shards(model) == {"qkv_proj": ["query", "key", "value"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def test_a_norm_the_hub_has_in_every_layer_is_added_where_transformers_wrote_none(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pytest_enginecheck.targets.vllm.checkpoints import add_hub_norms
+
+    moe_norm = "model.layers.1.post_mlp_layernorm.weight"  # transformers' AXK1 writes the MoE layer's only
+    save_file({moe_norm: torch.full((64,), 2.0)}, str(tmp_path / "model.safetensors"))
+    saved = {"model_type": "axk1", "hidden_size": 64, "num_hidden_layers": 2, "first_k_dense_replace": 1}
+    assert add_hub_norms(tmp_path, saved) == ["model.layers.0.post_mlp_layernorm.weight"]
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert torch.equal(tensors["model.layers.0.post_mlp_layernorm.weight"], torch.ones(64))
+    assert torch.equal(tensors[moe_norm], torch.full((64,), 2.0))  # what transformers wrote is kept
+    assert add_hub_norms(tmp_path, saved) == [] and add_hub_norms(tmp_path, {**saved, "model_type": "llama"}) == []

@@ -312,6 +312,7 @@ def make_tiny_checkpoint(architecture: str, path: Path, model_cls: type | None =
     saved["architectures"] = [architecture]  # save_pretrained writes the transformers class's name
     saved.update({k: v for k, v in hub_fields(saved).items() if k not in saved})
     config_path.write_text(json.dumps(saved, indent=2))
+    add_hub_norms(path, saved)
     return path
 
 
@@ -371,6 +372,33 @@ def written_name(name: str, model_type: str) -> str:
     for pattern, replacement in WRITTEN_NAMES.get(model_type, []):
         name = re.sub(pattern, replacement, name)
     return name
+
+
+# Norms the hub checkpoints of a model_type have and transformers' model has not (so its writer leaves them out), by
+# model_type: (name, size) from the config.json written. A.X K1's post-MLP RMSNorm is in every layer ("after the
+# MLP/MoE block in each layer", its authors' transformers PR #45334), and vLLM's AXK1 builds and loads it in every
+# layer; transformers' AXK1 keeps it in the MoE block only, none in the first_k_dense_replace dense layers.
+HUB_NORMS: dict[str, Callable[[Mapping[str, Any]], list[tuple[str, int]]]] = {
+    "axk1": lambda s: [(f"model.layers.{i}.post_mlp_layernorm.weight", s["hidden_size"])
+                       for i in range(min(s.get("first_k_dense_replace") or 0, s["num_hidden_layers"]))],
+}
+
+
+def add_hub_norms(path: Path, saved: Mapping[str, Any]) -> list[str]:
+    """Add HUB_NORMS' norms of the config.json ``saved`` to the checkpoint at ``path`` (a norm's weight: ones), those
+    it has not; the names added."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    norms = HUB_NORMS.get(str(saved.get("model_type")), lambda s: [])(saved)
+    file = Path(path) / "model.safetensors"
+    if not norms or not file.is_file():
+        return []
+    tensors = load_file(file)
+    added = {name: torch.ones(size) for name, size in norms if name not in tensors}
+    if added:
+        save_file({**tensors, **added}, file, metadata={"format": "pt"})
+    return sorted(added)
 
 
 def _too_large(hf_cls: type, config: Any) -> str:
