@@ -23,6 +23,8 @@ def register():
 
     ModelRegistry.register_model("EclmLayer1LoadRaisesForCausalLM", "eclm.models:EclmLayer1LoadRaisesForCausalLM")
     ModelRegistry.register_model("EclmInspectRaisesForCausalLM", "eclm.models:EclmInspectRaisesForCausalLM")
+    for name in ("EclmSparseRaisesForCausalLM", "EclmNotGatedRaisesForCausalLM", "EclmMissingOpForCausalLM"):
+        ModelRegistry.register_model(name, f"eclm.models:{name}")
 ''',
     "eclm/models.py": '''\
 from vllm.model_executor.models.llama import LlamaForCausalLM
@@ -47,6 +49,27 @@ class _Unbuilt:
 
 class EclmInspectRaisesForCausalLM(LlamaForCausalLM):
     supported_video_pruning_methods = _Unbuilt()  # read by vLLM's ModelInfo
+
+
+# Twins of vLLM CPU-backend limits (limits.py): the same exception, raised from the model's own file, is the model's.
+class EclmSparseRaisesForCausalLM(LlamaForCausalLM):
+    def __init__(self, *, vllm_config, prefix=""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        raise NotImplementedError("Sparse Attention is not supported on CPU.")
+
+
+class EclmNotGatedRaisesForCausalLM(LlamaForCausalLM):
+    def __init__(self, *, vllm_config, prefix=""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        raise NotImplementedError("is_act_and_mul=False is supported only for CUDA, XPU and ROCm for now")
+
+
+class EclmMissingOpForCausalLM(LlamaForCausalLM):
+    def forward(self, *args, **kwargs):
+        import torch
+
+        torch.ops._C.selective_scan_fwd  # the bug under test: an op vLLM's CPU build lacks, called by the model
+        return super().forward(*args, **kwargs)
 ''',
 }
 
@@ -107,6 +130,46 @@ def test_a_kernel_vllms_cpu_backend_lacks_is_a_skip_naming_it(in_limits_child: A
                               "tensor_parallel_size=1 (float32) in phase load_model: vLLM's CPU backend has no "
                               "Triton (the installed triton has no CPU backend and no triton.set_allocator)"), message
     assert "olmo_gdn_linear_attn.py" in message
+
+
+@pytest.mark.parametrize(("architecture", "dtype", "phase", "reason"), [
+    ("DeepseekV32ForCausalLM", "bfloat16", "load_model",
+     "vLLM's CPU platform (platforms/cpu.py get_attn_backend_cls) has no sparse attention backend"),
+    ("MambaForCausalLM", "float32", "generate",
+     "vLLM's CPU build has no selective_scan_fwd kernel (torch.ops._C.selective_scan_fwd, which vllm/_custom_ops.py "
+     "calls, is built for CUDA only), and the model's layers call it (vllm/model_executor/layers/mamba/ops/"
+     "mamba_ssm.py in selective_scan_fn)"),
+    ("NemotronHForCausalLM", "float32", "load_model",
+     "vLLM's fused MoE (layers/fused_moe/config.py FusedMoEConfig) runs experts whose activation is not gated "
+     "(is_act_and_mul=False) only on CUDA, XPU and ROCm"),
+    ("KimiLinearForCausalLM", "bfloat16", "startup",
+     "vLLM's CPU platform, which has no Triton, rebinds Triton kernels to C++ fallbacks when a worker starts "
+     "(platforms/cpu.py register_triton_kernel_overrides), and its scan of every imported module "
+     "(triton_utils/dispatcher.py _rebind_kernels) breaks on llvmlite's library wrapper"),
+])
+def test_a_feature_vllms_cpu_backend_lacks_is_a_skip_naming_it(in_limits_child: Any, tmp_path: Path, architecture: str,
+                                                                dtype: str, phase: str, reason: str) -> None:
+    outcome, message, _ = in_limits_child(_outcome, "load", str(tmp_path), architecture)
+    assert outcome == "skipped", message
+    assert message.startswith(f"vLLM's engine cannot run the checker's tiny checkpoint of {architecture} at "
+                              f"tensor_parallel_size=1 ({dtype}) in phase {phase}: {reason}"), message
+
+
+@pytest.mark.parametrize(("architecture", "phase", "exception"), [
+    ("EclmSparseRaisesForCausalLM", "load_model", "NotImplementedError: Sparse Attention is not supported on CPU."),
+    ("EclmNotGatedRaisesForCausalLM", "load_model",
+     "NotImplementedError: is_act_and_mul=False is supported only for CUDA, XPU and ROCm for now"),
+    ("EclmMissingOpForCausalLM", "generate",
+     "AttributeError: '_OpNamespace' '_C' object has no attribute 'selective_scan_fwd'"),
+])
+def test_a_cpu_backend_limits_exception_raised_by_the_model_itself_still_fails(in_limits_child: Any, tmp_path: Path,
+                                                                               architecture: str, phase: str,
+                                                                               exception: str) -> None:
+    outcome, message, detail = in_limits_child(_outcome, "load", str(tmp_path), architecture)
+    assert outcome == "failed", message
+    assert message.startswith(f"{architecture} failed in phase {phase} on rank 0 at tensor_parallel_size=1 (float32): "
+                              f"{exception}"), message
+    assert detail["cause"] == exception
 
 
 def test_a_model_that_raises_while_loading_layer_1_still_fails(in_limits_child: Any, tmp_path: Path) -> None:
