@@ -1032,3 +1032,56 @@ def test_a_norm_the_hub_has_in_every_layer_is_added_where_transformers_wrote_non
     assert torch.equal(tensors["model.layers.0.post_mlp_layernorm.weight"], torch.ones(64))
     assert torch.equal(tensors[moe_norm], torch.full((64,), 2.0))  # what transformers wrote is kept
     assert add_hub_norms(tmp_path, saved) == [] and add_hub_norms(tmp_path, {**saved, "model_type": "llama"}) == []
+
+
+# --- limits: kernels and features vLLM's CPU backend lacks, each a limit only in the vLLM frame that refuses it ------
+def _vllm_traceback(*frames: tuple[str, str], exception: str) -> str:
+    """A traceback of ``frames`` ((file under site-packages, function), outermost first) raising ``exception``."""
+    told = "".join(f'  File "/venv/site-packages/{file}", line 1, in {function}\n    call()\n'
+                   for file, function in frames)
+    return f"Traceback (most recent call last):\n{told}{exception}\n"
+
+
+CPU_BACKEND_LIMITS = [
+    ("NotImplementedError: Sparse Attention is not supported on CPU.",
+     [("vllm/model_executor/layers/attention/mla_attention.py", "__init__"),
+      ("vllm/platforms/cpu.py", "get_attn_backend_cls")], "no sparse attention backend"),
+    ("AttributeError: '_OpNamespace' '_C' object has no attribute 'selective_scan_fwd'",
+     [("vllm/model_executor/layers/mamba/ops/mamba_ssm.py", "selective_scan_fn"),
+      ("vllm/_custom_ops.py", "selective_scan_fwd"), ("torch/_ops.py", "__getattr__")],
+     "no selective_scan_fwd kernel"),
+    ("NotImplementedError: is_act_and_mul=False is supported only for CUDA, XPU and ROCm for now",
+     [("vllm/model_executor/layers/fused_moe/layer.py", "FusedMoEFactory"),
+      ("vllm/model_executor/layers/fused_moe/config.py", "__post_init__")], "is_act_and_mul=False"),
+    ("AttributeError: '_lib_fn_wrapper' object has no attribute 'get'",
+     [("vllm/platforms/cpu.py", "register_triton_kernel_overrides"),
+      ("vllm/triton_utils/dispatcher.py", "_rebind_kernels")], "llvmlite's library wrapper"),
+]
+
+
+@pytest.mark.parametrize(("exception", "frames", "said"), CPU_BACKEND_LIMITS)
+def test_a_feature_the_cpu_backend_lacks_is_a_limit_only_where_vllm_refuses_it(exception: str,
+                                                                               frames: list[tuple[str, str]],
+                                                                               said: str) -> None:
+    from pytest_enginecheck.targets.vllm.failures import EngineFailure
+    from pytest_enginecheck.targets.vllm.limits import checker_limit
+
+    limit = checker_limit(EngineFailure("load_model", 0, exception, "", _vllm_traceback(*frames, exception=exception)))
+    assert limit is not None and said in limit, limit
+    # the same exception raised by the model's own file is the model's; so is a missing op the model looks up itself
+    model = ("/plugin/my_model.py", "forward")
+    bugs = [[*frames, model]] + ([[frames[0], model, frames[-1]]] if frames[-1][0] == "torch/_ops.py" else [])
+    for bugged in bugs:
+        traceback = _vllm_traceback(*bugged, exception=exception).replace("/venv/site-packages//plugin", "/plugin")
+        assert checker_limit(EngineFailure("load_model", 0, exception, "", traceback)) is None, bugged
+
+
+def test_a_frame_without_a_source_line_does_not_hide_the_frame_it_calls() -> None:
+    from pytest_enginecheck.targets.vllm.limits import raised_in
+
+    # a dataclass's generated __init__ shows no source line (FusedMoEConfig's, calling its __post_init__)
+    traceback = ('Traceback (most recent call last):\n  File "<string>", line 38, in __init__\n'
+                 '  File "/venv/site-packages/vllm/model_executor/layers/fused_moe/config.py", line 1402, in '
+                 '__post_init__\n    raise NotImplementedError(\nNotImplementedError: x\n')
+    assert raised_in(traceback) == ("/venv/site-packages/vllm/model_executor/layers/fused_moe/config.py",
+                                    "__post_init__", "raise NotImplementedError(")
