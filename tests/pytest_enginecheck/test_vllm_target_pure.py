@@ -1085,3 +1085,50 @@ def test_a_frame_without_a_source_line_does_not_hide_the_frame_it_calls() -> Non
                  '__post_init__\n    raise NotImplementedError(\nNotImplementedError: x\n')
     assert raised_in(traceback) == ("/venv/site-packages/vllm/model_executor/layers/fused_moe/config.py",
                                     "__post_init__", "raise NotImplementedError(")
+
+
+FOREIGN_BASE = '''\
+class BaseConfig:
+    def __init__(self):
+        self.hidden_size = 64
+
+
+class LlamaLike:
+    config_class = BaseConfig
+
+    def __init__(self, config):
+        self.width = config.hidden_size
+        self.window = config.sliding_window  # the base's own module: read where its config has it
+'''
+FOREIGN_CHILD = '''\
+from enginecheck_foreign_base import LlamaLike
+
+
+class TeleLike(LlamaLike):
+    def __init__(self, config):
+        super().__init__(config)
+        self.heads = config.n_head
+'''
+
+
+def test_a_base_class_whose_config_lacks_what_the_subclass_reads_is_foreign(tmp_path: Path) -> None:
+    from pytest_enginecheck.targets.vllm.checkpoints import foreign_base
+
+    (tmp_path / "enginecheck_foreign_base.py").write_text(FOREIGN_BASE)
+    (tmp_path / "enginecheck_foreign_child.py").write_text(FOREIGN_CHILD)
+    (tmp_path / "enginecheck_foreign_plain.py").write_text(
+        "from enginecheck_foreign_base import LlamaLike\n\n\nclass Plain(LlamaLike):\n    pass\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        child = importlib.import_module("enginecheck_foreign_child")
+        base = importlib.import_module("enginecheck_foreign_base")
+        plain = importlib.import_module("enginecheck_foreign_plain")
+        reason = foreign_base("TeleLike", child.TeleLike, base.LlamaLike)
+        assert "reads the config field n_head, which BaseConfig of its base class LlamaLike has not" in reason
+        assert "sliding_window" not in reason  # read by the base's own module
+        assert foreign_base("Plain", plain.Plain, base.LlamaLike) == ""  # reads nothing beyond the base's
+        assert foreign_base("LlamaLike", base.LlamaLike, base.LlamaLike) == ""  # transformers' own class
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in ("enginecheck_foreign_base", "enginecheck_foreign_child", "enginecheck_foreign_plain"):
+            sys.modules.pop(name, None)

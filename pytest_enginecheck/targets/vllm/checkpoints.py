@@ -204,11 +204,11 @@ def foreign_base(architecture: str, model_cls: type | None, hf: Any) -> str:
         return ""
     from pytest_enginecheck.targets.vllm.remote_config import config_reads
 
-    above = []
-    for cls in model_cls.__mro__:
-        if cls.__name__ == hf.__name__:
-            break
-        above.append(inspect.getmodule(cls))
+    names = [cls.__name__ for cls in model_cls.__mro__]
+    base = names.index(hf.__name__) if hf.__name__ in names else len(names)
+    # the modules of vLLM's classes above the base, not the base's own (whose reads the base config answers)
+    below = {inspect.getmodule(cls) for cls in model_cls.__mro__[base:]}
+    above = [module for cls in model_cls.__mro__[:base] if (module := inspect.getmodule(cls)) not in below]
     try:
         defaults = hf.config_class()
         reads = [config_reads(inspect.getsource(m)).required for m in dict.fromkeys(above) if m is not None]
