@@ -277,7 +277,7 @@ def make_tiny_checkpoint(architecture: str, path: Path, model_cls: type | None =
     """Write the tiny checkpoint of ``architecture`` to ``path`` (config.json + model.safetensors)."""
     import torch
 
-    from pytest_enginecheck.targets.vllm import composite
+    from pytest_enginecheck.targets.vllm import composite, tokenizer
 
     try:
         no_class = foreign_base(architecture, model_cls, hf_class(architecture, model_cls))
@@ -313,6 +313,7 @@ def make_tiny_checkpoint(architecture: str, path: Path, model_cls: type | None =
     saved.update({k: v for k, v in hub_fields(saved).items() if k not in saved})
     config_path.write_text(json.dumps(saved, indent=2))
     add_hub_norms(path, saved)
+    tokenizer.write_tokenizer_if_needed(architecture, path, model_cls)  # only where vLLM reads one (tokenizer.py)
     return path
 
 

@@ -121,10 +121,11 @@ def engine_dtype(ckpt: str, transformers_backend: bool = False) -> str:
 def checkpoint_args(ckpt: str) -> dict[str, Any]:
     """vLLM's arguments the checkpoint at ``ckpt`` needs: a composite one's text decoder alone
     (``composite.engine_args``), ``trust_remote_code`` for one whose config is the checker's remote config
-    (``remote_config.engine_args``)."""
-    from pytest_enginecheck.targets.vllm import remote_config
+    (``remote_config.engine_args``), ``skip_tokenizer_init=False`` for one with the checker's tokenizer
+    (``tokenizer.engine_args``)."""
+    from pytest_enginecheck.targets.vllm import remote_config, tokenizer
 
-    return {**text_only_args(ckpt), **remote_config.engine_args(ckpt)}
+    return {**text_only_args(ckpt), **remote_config.engine_args(ckpt), **tokenizer.engine_args(ckpt)}
 
 
 class EngineStartError(Exception):
