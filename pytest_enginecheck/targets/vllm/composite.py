@@ -38,6 +38,9 @@ ENCODER_SIZES: dict[str, int] = {
 # The decoder of an encoder-decoder text config (Whisper): transformers' attribute_map names only the encoder's sizes
 # (hidden_size -> d_model, num_attention_heads -> encoder_attention_heads), so the text rules miss these.
 DECODER_SIZES = ("decoder_attention_heads", "decoder_layers", "decoder_ffn_dim")
+# An encoder-decoder's encoder positions (Whisper's 1500 audio frames after its convolutions): vLLM's encoder budget
+# (v1/core/encoder_cache_manager.py) refuses an item of more tokens than engine.ENGINE_ARGS' max_num_batched_tokens.
+ENCODER_POSITIONS = {"max_source_positions": 64}
 IMAGE_PATCHES = 4  # patches per side of the tiny image
 # The image's token count, where the composite (or a sub-config) states it: IMAGE_PATCHES ** 2, one per patch.
 IMAGE_TOKEN_FIELDS = ("image_seq_length", "mm_tokens_per_image", "num_image_tokens")
@@ -139,10 +142,11 @@ def tiny_composite_config(config_cls: type, defaults: Any, tiny_text_config: Cal
     UltravoxConfig takes ``text_config`` and holds ``wrapped_model_config``; ``text_name``: the attribute holding the
     text decoder where ``get_text_config`` does not look, BagelConfig's ``llm_config``); NoTinyCheckpoint where a
     config refuses its sizes. An encoder-decoder text config (Whisper) is shrunk by the text decoders' rules plus
-    ENCODER_SIZES' decoder fields."""
+    ENCODER_SIZES' decoder fields and ENCODER_POSITIONS."""
     if _is_encoder_decoder(defaults) and defaults.get_text_config() is defaults:
         tiny = tiny_text_config(config_cls, defaults)
-        return _rebuilt(tiny, {k: ENCODER_SIZES[k] for k in DECODER_SIZES if k in _ints(defaults)})
+        sizes = {**{k: ENCODER_SIZES[k] for k in DECODER_SIZES}, **ENCODER_POSITIONS}
+        return _rebuilt(tiny, {k: v for k, v in sizes.items() if k in _ints(defaults)})
     encoder_sizes = {**ENCODER_SIZES, **(encoder_sizes or {})}
     text = getattr(defaults, text_name) if text_name else defaults.get_text_config()
     tiny_text = tiny_text_config(type(text), text)
