@@ -1132,3 +1132,41 @@ def test_a_base_class_whose_config_lacks_what_the_subclass_reads_is_foreign(tmp_
         sys.path.remove(str(tmp_path))
         for name in ("enginecheck_foreign_base", "enginecheck_foreign_child", "enginecheck_foreign_plain"):
             sys.modules.pop(name, None)
+
+
+# --- the tiny configs of models vLLM builds with MLA attention, and of Isaac's M-RoPE head ---
+
+def test_mla_sizes_read_with_a_default_are_written_and_an_mla_test_or_off_default_is_not() -> None:
+    from pytest_enginecheck.targets.vllm.remote_config import MLA_FIELDS, ConfigReads, _mla_sizes, field_values
+
+    # Bailing V2.5/V3: getattr(config, "kv_lora_rank", 512) and the other MLA sizes with defaults; q_lora_rank None
+    reads = ConfigReads(frozenset({"hidden_size"}), frozenset({"kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                                                "v_head_dim"}), frozenset({"q_lora_rank"}))
+    values = field_values("EctpModel", reads)
+    mla = _mla_sizes()
+    assert {f: values[f] for f in MLA_FIELDS if f in values} == {f: mla[f] for f in MLA_FIELDS if f != "q_lora_rank"}
+    assert "q_lora_rank" not in values  # an "off" default: the path without the query's LoRA
+    # openPangu: MLA sizes only tested with hasattr, a model that has a path without them: none written
+    pangu = field_values("EctpModel", ConfigReads(frozenset({"hidden_size"}), frozenset(), frozenset(MLA_FIELDS)))
+    assert not set(MLA_FIELDS) & pangu.keys()
+
+
+def test_lightning_attention_gets_a_head_its_blocks_divide_and_bailing_v3_is_bailing_hybrid() -> None:
+    from types import SimpleNamespace
+
+    from pytest_enginecheck.targets.vllm.checkpoints import TINY_SIZES
+    from pytest_enginecheck.targets.vllm.remote_config import (
+        LIGHTNING_HEAD_DIM,
+        ConfigReads,
+        field_values,
+        remote_model_type,
+    )
+
+    reads = ConfigReads(frozenset({"hidden_size", "head_dim"}), frozenset())
+    assert field_values("BailingMoeV2_5ForCausalLM", reads)["head_dim"] == LIGHTNING_HEAD_DIM
+    assert LIGHTNING_HEAD_DIM % 64 == 0  # lightning_attn.py's blocks of a head under 128
+    assert field_values("BailingMoeV3ForCausalLM", reads)["head_dim"] == TINY_SIZES["head_dim"]  # KDA: no blocks
+    module = SimpleNamespace(__module__="vllm.model_executor.models.bailing_moe_v3")
+    for architecture in ("BailingMoeV2_5ForCausalLM", "BailingMoeV3ForCausalLM"):
+        # a model type vLLM's convertor counts among its MLA types (with kv_lora_rank set)
+        assert remote_model_type(architecture, module, {}) == "bailing_hybrid"  # type: ignore[arg-type]

@@ -71,13 +71,17 @@ def test_a_config_field_no_rule_knows_is_no_tiny_checkpoint_naming_it(in_child: 
 # Remote configs whose fields follow rules beyond the shrink tables (remote_config.py), and what each rule wrote:
 # Solar's skip connections (LAYOUT_RULES), DeciLM's block_configs (a record field, its config class not the LlamaConfig
 # its module imports), Bailing V2.5's layer_group_size and the fields of the layers it imports from bailing_moe.py,
-# K2Horizon's MoE and attention fields. load[tp=1] of each runs with the engine checks (Solar, DeciLM and K2Horizon
-# pass; Bailing V2.5 skips on the CPU MLA backend's float32 limit): here only that the checkpoint is made, which proves
-# its round trip through vLLM's model.
+# K2Horizon's MoE and attention fields; Bailing V2.5's and V3's MLA sizes (read with defaults: MLA_FIELDS) under the
+# model_type vLLM counts as MLA, V2.5's lightning-attention head (LIGHTNING_HEAD_DIM). load[tp=1] of each runs with the
+# engine checks (Solar, DeciLM and K2Horizon pass; Bailing V2.5 and V3 run in bfloat16 with MLA attention and fail in
+# Triton kernels of their linear attention, which vLLM's CPU backend lacks): here only that the checkpoint is made,
+# which proves its round trip through vLLM's model.
 RULES = {
     "SolarForCausalLM": {"bskcn_1": [1], "bskcn_3": [1], "bskcn_tv": [0.9, 0.8]},
     "DeciLMForCausalLM": {"model_type": "nemotron-nas", "num_hidden_layers": 2},
-    "BailingMoeV2_5ForCausalLM": {"layer_group_size": 2, "use_bias": False, "use_qkv_bias": False},
+    "BailingMoeV2_5ForCausalLM": {"layer_group_size": 2, "use_bias": False, "use_qkv_bias": False,
+                                  "model_type": "bailing_hybrid", "kv_lora_rank": 512, "head_dim": 64},
+    "BailingMoeV3ForCausalLM": {"model_type": "bailing_hybrid", "kv_lora_rank": 512, "qk_rope_head_dim": 64},
     "K2HorizonForCausalLM": {"router_score_func": "softmax", "mova_num_experts": 0, "rope_head_dim": 16},
     # a LlamaForCausalLM whose config is not Llama's (checkpoints.foreign_base): the names its attribute_map maps to,
     # its weights under the hub's query/key/value names (its mapper's orig_to_new_stacked); load[tp=1] passes

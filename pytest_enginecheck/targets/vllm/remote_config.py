@@ -99,12 +99,23 @@ LAYOUT_RULES: dict[str, Callable[[int, list[str]], Any]] = {
 # makes them (DeciLM's BlockConfig dataclasses): the config module gives them as dicts that read by attribute too.
 RECORD_FIELDS = frozenset({"block_configs"})
 # MLA's head sizes (DeepSeek's names): transformers' DeepseekV3Config's defaults, not shrunk (vLLM's MLA backends take
-# only the head sizes of real models, checkpoints.tiny_text_config).
+# only the head sizes of real models, checkpoints.tiny_text_config). Written where the model reads one without a
+# default or with one (Bailing V2.5's ``getattr(config, "kv_lora_rank", 512)``: its MLA layers' sizes, which the hub
+# checkpoint has, and vLLM decides MLA attention by ``kv_lora_rank`` being set); not where it only tests for them
+# (openPangu's hasattr) or reads them with an "off" default (``q_lora_rank`` None: no LoRA on the query).
 MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# The head size of the architectures whose linear-attention layers run vLLM's lightning attention
+# (layers/lightning_attn.py splits a head into blocks of 64 and asserts it a multiple of them; Bailing V2.5's
+# BailingMoELinearAttention runs it through minimax_linear_attn.py): TINY_SIZES' 32 is none.
+LIGHTNING_HEAD_DIM = 64
+LIGHTNING_ATTENTION = frozenset({"BailingMoeV2_5ForCausalLM"})
 # The model_type of a checkpoint vLLM branches on (ModelArchConfigConvertor.is_deepseek_mla, the rope validation it
-# patches), where it is not the model module's name and vLLM's _ARCHITECTURE_TO_MODEL_TYPE does not have it.
+# patches), where it is not the model module's name and vLLM's _ARCHITECTURE_TO_MODEL_TYPE does not have it. Bailing
+# V3's is V2.5's ``bailing_hybrid``: vLLM's own config of its text decoder (BailingMoeV3TextConfig, of the V3-VL
+# checkpoints) has that model_type, and its speculative config tells V3 from V2.5 by the architecture.
 MODEL_TYPES = {"PanguUltraMoEForCausalLM": "pangu_ultra_moe", "SarvamMLAForCausalLM": "sarvam_mla",
-               "BailingMoeV2_5ForCausalLM": "bailing_hybrid", "DeciLMForCausalLM": "nemotron-nas"}
+               "BailingMoeV2_5ForCausalLM": "bailing_hybrid", "BailingMoeV3ForCausalLM": "bailing_hybrid",
+               "DeciLMForCausalLM": "nemotron-nas"}
 # What vLLM's engine reads of every text config (its ModelConfig), whether or not the model's module does.
 ENGINE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
                  "max_position_embeddings", "tie_word_embeddings")
@@ -241,15 +252,18 @@ def field_values(architecture: str, reads: ConfigReads, leave_off: bool = False)
     sizes = tiny_sizes({field: TINY_SIZES.get(field) for field in wanted | optional})
     rules: dict[str, Any] = {**ENCODER_SIZES, **LLAMA_DEFAULTS, **REMOTE_SIZES, **VLLM_CONFIG_SIZES, **sizes}
     rules.update(layout_values(rules["num_hidden_layers"], rules.get("layer_types"), wanted | optional))
-    if any(field in wanted for field in MLA_FIELDS):
+    mla = frozenset(MLA_FIELDS) & (wanted | reads.optional)  # read without a default, or with one (MLA_FIELDS)
+    if mla:
         rules.update(_mla_sizes())
+    if architecture in LIGHTNING_ATTENTION:
+        rules["head_dim"] = LIGHTNING_HEAD_DIM
     unknown = sorted(wanted - rules.keys() - BASE_ATTRIBUTES)
     if unknown:
         raise NoTinyCheckpoint(f"vLLM's {architecture} reads the config field{'s' * (len(unknown) > 1)} "
                                f"{', '.join(unknown)}, which no rule of the checker's remote config gives a value "
                                f"(remote_config.py: the shrink tables, LLAMA_DEFAULTS)")
     return {field: rules[field] for field in sorted(wanted | optional) if field in rules
-            and field not in BASE_ATTRIBUTES and (field in wanted or field not in MLA_FIELDS)}
+            and field not in BASE_ATTRIBUTES and (field in mla or field not in MLA_FIELDS)}
 
 
 def config_module(model_type: str, values: Mapping[str, Any]) -> str:
