@@ -1170,3 +1170,30 @@ def test_lightning_attention_gets_a_head_its_blocks_divide_and_bailing_v3_is_bai
     for architecture in ("BailingMoeV2_5ForCausalLM", "BailingMoeV3ForCausalLM"):
         # a model type vLLM's convertor counts among its MLA types (with kv_lora_rank set)
         assert remote_model_type(architecture, module, {}) == "bailing_hybrid"  # type: ignore[arg-type]
+
+
+def test_sarvams_head_dim_is_its_mla_head_as_on_the_hub() -> None:
+    from pytest_enginecheck.targets.vllm.checkpoints import hub_fields
+
+    sarvam = {"model_type": "sarvam_mla", "kv_lora_rank": 512, "qk_rope_head_dim": 64, "hidden_size": 64}
+    assert hub_fields(sarvam) == {"head_dim": 576}  # one of the head sizes vLLM's MLA metadata accepts
+
+
+def test_a_model_refers_to_mla_through_its_own_module_or_a_base_class_module() -> None:
+    import types
+
+    from pytest_enginecheck.targets.vllm.engine import refers_to_mla
+
+    base_module = types.ModuleType("enginecheck_mla_base")
+    base_module.MultiHeadLatentAttentionWrapper = object  # type: ignore[attr-defined]  # imported from vLLM's mla.py
+    child_module = types.ModuleType("enginecheck_mla_child")
+    base = type("SarvamLike", (), {"__module__": base_module.__name__})
+    child = type("Child", (base,), {"__module__": child_module.__name__})
+    plain = type("Plain", (), {"__module__": child_module.__name__})
+    sys.modules.update({base_module.__name__: base_module, child_module.__name__: child_module})
+    try:
+        assert refers_to_mla(base) and refers_to_mla(child)  # the base class's module builds the MLA layer
+        assert not refers_to_mla(plain)
+    finally:
+        for name in (base_module.__name__, child_module.__name__):
+            sys.modules.pop(name, None)

@@ -104,9 +104,12 @@ def test_a_checkpoint_is_written_under_the_names_vllms_loader_takes(in_child: An
 # config.json that shows the rule: GLM-4.5's hub ``head_dim`` that transformers' Glm4MoeConfig dropped (HUB_SCHEMA),
 # GPT-J's ``rotary_dim`` in its share of the tiny head (vLLM's RoPE refused 64 of a 32 head), Lfm2-MoE's dense layers
 # leaving a MoE layer (vLLM's lfm2_moe.py raised finding none), TeleFLM's muP fields (a LlamaForCausalLM whose config
-# is not Llama's: the checker's remote config, checkpoints.foreign_base).
+# is not Llama's: the checker's remote config, checkpoints.foreign_base), SarvamMLA's hub head_dim, its MLA head (vLLM's
+# MLA metadata refused the tiny 32; its MLA layers make it run in bfloat16: engine.builds_mla).
 FAMILY_RULES = {"Glm4MoeForCausalLM": ("head_dim", 32), "GPTJForCausalLM": ("rotary_dim", 8),
-                "Lfm2MoeForCausalLM": ("num_dense_layers", 1), "TeleFLMForCausalLM": ("use_mup", True)}
+                "Lfm2MoeForCausalLM": ("num_dense_layers", 1), "TeleFLMForCausalLM": ("use_mup", True),
+                "SarvamMLAForCausalLM": ("head_dim", 576)}
+DTYPES = {"SarvamMLAForCausalLM": "bfloat16"}  # the dtype load runs in, where not float32
 
 
 @pytest.mark.parametrize("architecture", FAMILY_RULES)
@@ -119,6 +122,7 @@ def test_load_tp1_passes_on_the_tiny_checkpoint_of_a_family_rule(in_child: Any, 
     detail = in_child(load_tp1, str(tmp_path), architecture, timeout=480.0)
     assert isinstance(detail, dict), detail
     assert detail["tensor_parallel_size"] == 1 and all(len(tokens) > 0 for tokens in detail["tokens"])
+    assert detail["dtype"] == DTYPES.get(architecture, "float32")
     field, value = FAMILY_RULES[architecture]
     config = json.loads((tmp_path / CHECKPOINTS_DIR / architecture / "config.json").read_text())
     assert config[field] == value, config

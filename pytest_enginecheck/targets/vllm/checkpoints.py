@@ -448,6 +448,9 @@ HUB_SCHEMA: dict[str, dict[str, Callable[[Mapping[str, Any]], Any]]] = {
     "lfm2": {"block_dim": lambda s: s["hidden_size"], "conv_dim": lambda s: s["hidden_size"]},
     "longcat_flash": {"mla_scale_q_lora": lambda s: True, "mla_scale_kv_lora": lambda s: True,
                       "zero_expert_type": lambda s: "identity"},
+    # Sarvam's MLA checkpoints give head_dim as the MLA head vLLM's MLA backends read, kv_lora_rank + qk_rope_head_dim
+    # (576); vLLM does not count sarvam_mla among its MLA model types, so its ModelConfig takes the head size from it
+    "sarvam_mla": {"head_dim": lambda s: s["kv_lora_rank"] + s["qk_rope_head_dim"]},
 }
 
 

@@ -28,6 +28,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -105,12 +106,59 @@ def vllm_uses_mla(ckpt: str, transformers_backend: bool = False) -> bool:
                     transformers_backend=transformers_backend, mla_disabled=bool(envs.VLLM_MLA_DISABLE))
 
 
+# vLLM's MLA layers: a model module that refers to one may build MLA attention whatever ``use_mla`` says.
+MLA_LAYERS = ("MultiHeadLatentAttentionWrapper", "MLAAttention")
+MLA_BUILD_TIMEOUT_S = 120.0
+
+
+def refers_to_mla(model_cls: type) -> bool:
+    """Whether a module of ``model_cls`` or of a class it derives from refers to one of vLLM's MLA_LAYERS."""
+    modules = {sys.modules.get(cls.__module__) for cls in model_cls.__mro__}
+    return any(name in vars(module) for module in modules if module is not None for name in MLA_LAYERS)
+
+
+def _meta_model_has_mla(ckpt: str) -> bool:
+    """Run in a fork (building vLLM's model initialises torch.distributed): whether vLLM's TP=1 model of ``ckpt``,
+    built on the meta device under vLLM's config objects of the checkpoint, has an MLAAttention layer."""
+    from pytest_enginecheck.targets.vllm.memory import _built_model
+    from pytest_enginecheck.targets.vllm.probe import model_initializer
+    from pytest_enginecheck.targets.vllm.vllm_weights import _vllm_model
+
+    with _vllm_model(ckpt) as build:
+        model = _built_model(model_initializer(), build.vllm_config, "meta")
+    return any(cls.__name__ == "MLAAttention" for module in model.modules() for cls in type(module).__mro__)
+
+
+def builds_mla(ckpt: str) -> bool:
+    """Whether vLLM's model of the checkpoint at ``ckpt`` has MLA attention though ``ModelConfig.use_mla`` says no
+    (SarvamMLA builds vLLM's MultiHeadLatentAttentionWrapper in every layer, and vLLM's list of MLA model types has
+    not its ``sarvam_mla``, the hub checkpoints' too): where the model class's modules refer to vLLM's MLA layers, its
+    model is built on the meta device (in a fork, about 5 s) and looked through. False where it cannot be built: the
+    engine start that builds the same model gives the verdict."""
+    import json
+
+    from engine_ref.isolation import run_isolated
+    from pytest_enginecheck.targets.vllm.registry import import_model_class, list_architectures
+
+    with open(os.path.join(ckpt, "config.json")) as f:
+        architecture = (json.load(f).get("architectures") or [""])[0]
+    entry = next((e for e in list_architectures() if e.architecture == architecture), None)
+    model_cls = import_model_class(entry).model_cls if entry is not None else None
+    if model_cls is None or not refers_to_mla(model_cls):
+        return False
+    try:
+        return bool(run_isolated(_meta_model_has_mla, ckpt, timeout=MLA_BUILD_TIMEOUT_S, name="vllm-mla:meta"))
+    except Exception:  # noqa: BLE001 - reported by the engine start that builds the same model
+        return False
+
+
 def engine_dtype(ckpt: str, transformers_backend: bool = False) -> str:
     """The dtype the engine checks start vLLM in for ``ckpt``: ENGINE_ARGS' float32, or MLA_DTYPE where vLLM builds
-    the model with MLA attention (``vllm_uses_mla``). Where vLLM cannot even read the config, float32: the engine
-    start then meets the same error and gives the verdict (a config-phase failure, or limits.py's skip)."""
+    the model with MLA attention (``vllm_uses_mla``, or ``builds_mla`` for a model that builds it whatever vLLM's
+    ``use_mla`` says). Where vLLM cannot even read the config, float32: the engine start then meets the same error
+    and gives the verdict (a config-phase failure, or limits.py's skip)."""
     try:
-        mla = vllm_uses_mla(ckpt, transformers_backend)
+        mla = vllm_uses_mla(ckpt, transformers_backend) or (not transformers_backend and builds_mla(ckpt))
     except VllmUnavailable:
         raise
     except Exception:  # noqa: BLE001 - reported by the engine start that reads the same config
