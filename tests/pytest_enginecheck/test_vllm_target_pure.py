@@ -1179,6 +1179,28 @@ def test_sarvams_head_dim_is_its_mla_head_as_on_the_hub() -> None:
     assert hub_fields(sarvam) == {"head_dim": 576}  # one of the head sizes vLLM's MLA metadata accepts
 
 
+def test_isaacs_top_level_head_dim_is_its_text_decoders() -> None:
+    from types import SimpleNamespace
+
+    from pytest_enginecheck.targets.vllm.vllm_multimodal import _hub_layout
+
+    text = SimpleNamespace(head_dim=32)
+
+    class Isaac:
+        head_dim = 128  # IsaacConfig's copy of the full-size decoder's fields at its top level
+
+        def to_json_string(self, use_diff: bool = True) -> str:
+            return json.dumps({"model_type": "isaac", "head_dim": self.head_dim, "text_config": {"head_dim": 32}})
+
+        def get_text_config(self) -> SimpleNamespace:
+            return text
+
+    saved = _hub_layout("IsaacForConditionalGeneration", "isaac", Isaac())
+    # Isaac's M-RoPE sections [head_dim // 4, head_dim // 8, head_dim // 8] add up to half the text decoder's head
+    assert saved["head_dim"] == 32
+    assert sum([saved["head_dim"] // 4, saved["head_dim"] // 8, saved["head_dim"] // 8]) == text.head_dim // 2
+
+
 def test_a_model_refers_to_mla_through_its_own_module_or_a_base_class_module() -> None:
     import types
 

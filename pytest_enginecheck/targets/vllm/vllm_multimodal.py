@@ -84,7 +84,10 @@ ENCODER_FIELDS: dict[str, dict[str, Any]] = {
         "encoder_downsample_rate": 2},
 }
 # Top-level fields the hub config.json copies from the text decoder, which vLLM's model reads there, by model_type.
-TEXT_FIELDS_AT_TOP: dict[str, tuple[str, ...]] = {"ultravox": ("vocab_size",), "ovis": ("hidden_size",)}
+# Isaac's head_dim: its model sizes the text decoder's M-RoPE sections from the top-level one (IsaacConfig keeps the
+# text decoder's fields at the top as well), which vLLM's rotary embedding asserts to add up to half the text head.
+TEXT_FIELDS_AT_TOP: dict[str, tuple[str, ...]] = {"ultravox": ("vocab_size",), "ovis": ("hidden_size",),
+                                                  "isaac": ("head_dim",)}
 
 
 def _text_config(config_cls: type, defaults: Any) -> Any:
