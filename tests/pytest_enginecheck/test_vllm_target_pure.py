@@ -1050,6 +1050,10 @@ CPU_BACKEND_LIMITS = [
      [("vllm/model_executor/layers/mamba/ops/mamba_ssm.py", "selective_scan_fn"),
       ("vllm/_custom_ops.py", "selective_scan_fwd"), ("torch/_ops.py", "__getattr__")],
      "no selective_scan_fwd kernel"),
+    ("AttributeError: '_OpNamespace' '_moe_C' object has no attribute 'topk_softmax'",
+     [("vllm/model_executor/layers/fused_moe/router/fused_topk_bias_router.py", "vllm_topk_softmax"),
+      ("vllm/_custom_ops.py", "topk_softmax"), ("torch/_ops.py", "__getattr__")],
+     "no topk_softmax kernel (torch.ops._moe_C.topk_softmax"),
     ("NotImplementedError: is_act_and_mul=False is supported only for CUDA, XPU and ROCm for now",
      [("vllm/model_executor/layers/fused_moe/layer.py", "FusedMoEFactory"),
       ("vllm/model_executor/layers/fused_moe/config.py", "__post_init__")], "is_act_and_mul=False"),
@@ -1074,6 +1078,28 @@ def test_a_feature_the_cpu_backend_lacks_is_a_limit_only_where_vllm_refuses_it(e
     for bugged in bugs:
         traceback = _vllm_traceback(*bugged, exception=exception).replace("/venv/site-packages//plugin", "/plugin")
         assert checker_limit(EngineFailure("load_model", 0, exception, "", traceback)) is None, bugged
+
+
+def _launch_traceback(file: str, source: str) -> str:
+    return ('Traceback (most recent call last):\n  File "/venv/site-packages/vllm/model_executor/models/bailing.py", '
+            f'line 9, in forward\n    out = attn(x)\n  File "{file}", line 439, in lightning_attention\n    {source}\n'
+            "TypeError: 'function' object is not subscriptable\n")
+
+
+def test_a_triton_kernel_launch_without_triton_is_a_limit_only_in_vllms_own_launch() -> None:
+    from pytest_enginecheck.targets.vllm.failures import EngineFailure
+    from pytest_enginecheck.targets.vllm.limits import checker_limit
+
+    exception = "TypeError: 'function' object is not subscriptable"
+    vllm_file = "/venv/site-packages/vllm/model_executor/layers/lightning_attn.py"
+    limit = checker_limit(EngineFailure("generate", 0, exception, "",
+                                        _launch_traceback(vllm_file, "_fwd_diag_kernel[grid](")))
+    assert limit is not None and "launch the Triton kernel _fwd_diag_kernel (vllm/model_executor/layers/" \
+        "lightning_attn.py in lightning_attention)" in limit, limit
+    # the model's own file launching it, or vLLM's file subscripting a function otherwise, is not the limit
+    for file, source in [("/plugin/my_model.py", "_fwd_diag_kernel[grid]("), (vllm_file, "weights = loader[0]")]:
+        traceback = _launch_traceback(file, source)
+        assert checker_limit(EngineFailure("generate", 0, exception, "", traceback)) is None, (file, source)
 
 
 def test_a_frame_without_a_source_line_does_not_hide_the_frame_it_calls() -> None:

