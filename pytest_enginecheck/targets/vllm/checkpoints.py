@@ -421,15 +421,10 @@ def _too_large(hf_cls: type, config: Any) -> str:
     return f"{total / 1e6:.0f}M parameters and buffers (the largest: {name} {tuple(largest.shape)})"
 
 
-def _saved_head_dim(saved: Mapping[str, Any]) -> int:
-    """The head size of the config.json ``saved``: its head_dim, else hidden_size / num_attention_heads."""
-    return int(saved.get("head_dim") or saved["hidden_size"] // saved["num_attention_heads"])
-
-
 def _saved_rotary_dim(saved: Mapping[str, Any]) -> int:
     """The rotary part of a head of ``saved``: the head size times its partial_rotary_factor (1 where none)."""
     rope = saved.get("rope_parameters") or {}
-    return int(_saved_head_dim(saved) * rope.get("partial_rotary_factor", saved.get("partial_rotary_factor", 1.0)))
+    return int((_head_size(saved) or 0) * rope.get("partial_rotary_factor", saved.get("partial_rotary_factor", 1.0)))
 
 
 # Fields of the hub checkpoints' config schema that transformers' config class dropped or renamed (it converts them
@@ -438,7 +433,7 @@ def _saved_rotary_dim(saved: Mapping[str, Any]) -> int:
 # config says it (HY V3's and MiniMax-M2's sigmoid routing with a score-correction bias, normalized top-k; HY V3's
 # and LongCat-Flash's QK norm and MLA LoRA scales, its identity zero experts). vLLM's name in the comment of each.
 HUB_SCHEMA: dict[str, dict[str, Callable[[Mapping[str, Any]], Any]]] = {
-    "glm4_moe": {"head_dim": _saved_head_dim},  # glm4_moe.py: head_dim=config.head_dim
+    "glm4_moe": {"head_dim": _head_size},  # glm4_moe.py: head_dim=config.head_dim
     "hy_v3": {"expert_hidden_dim": lambda s: s["moe_intermediate_size"], "route_norm": lambda s: True,
               "qk_norm": lambda s: True},
     "afmoe": {"score_func": lambda s: "sigmoid", "route_norm": lambda s: True, "n_group": lambda s: 1,
