@@ -1080,6 +1080,35 @@ def test_a_feature_the_cpu_backend_lacks_is_a_limit_only_where_vllm_refuses_it(e
         assert checker_limit(EngineFailure("load_model", 0, exception, "", traceback)) is None, bugged
 
 
+def test_only_the_kernel_rebinding_scan_has_the_check_start_vllm_again_in_vllms_own_layout() -> None:
+    from pytest_enginecheck.targets.vllm.failures import EngineFailure
+    from pytest_enginecheck.targets.vllm.limits import in_process_artifact
+
+    def failure(exception: str, frames: list[tuple[str, str]]) -> EngineFailure:
+        return EngineFailure("startup", 0, exception, "", _vllm_traceback(*frames, exception=exception))
+
+    scan = CPU_BACKEND_LIMITS[-1]
+    assert in_process_artifact(failure(scan[0], scan[1]))
+    assert not in_process_artifact(failure(scan[0], [*scan[1], ("/plugin/my_model.py", "forward")]))
+    assert not any(in_process_artifact(failure(exception, frames)) for exception, frames, _ in CPU_BACKEND_LIMITS[:-1])
+
+
+def test_a_config_field_vllm_reads_from_another_schema_is_a_limit_only_for_the_known_pairs() -> None:
+    from pytest_enginecheck.targets.vllm.failures import EngineFailure
+    from pytest_enginecheck.targets.vllm.limits import checker_limit
+
+    def limit(exception: str) -> str | None:
+        frames = [("vllm/models/inkling/nvidia/model.py", "__init__")]
+        traceback = _vllm_traceback(*frames, exception=exception)
+        return checker_limit(EngineFailure("load_model", 0, exception, "", traceback))
+
+    said = limit("AttributeError: 'InklingTextConfig' object has no attribute 'padded_vocab_size'")
+    assert said is not None and said.startswith("the tiny config has no padded_vocab_size: ")
+    assert "InklingModelConfig" in said
+    assert limit("AttributeError: 'InklingTextConfig' object has no attribute 'rope_scaling'") is None  # the model's
+    assert limit("AttributeError: 'LlamaConfig' object has no attribute 'padded_vocab_size'") is None
+
+
 def _launch_traceback(file: str, source: str) -> str:
     return ('Traceback (most recent call last):\n  File "/venv/site-packages/vllm/model_executor/models/bailing.py", '
             f'line 9, in forward\n    out = attn(x)\n  File "{file}", line 439, in lightning_attention\n    {source}\n'

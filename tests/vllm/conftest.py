@@ -23,6 +23,9 @@ REQUIRE_VLLM = "ENGINECHECK_REQUIRE_VLLM"
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "vllm: needs vLLM installed (the vllm tier; see .ci/vllm-venv)")
+    config.addinivalue_line("markers", "registry: one more family of vLLM's registry on a path another test of the "
+                                       "tier proves (breadth, not a check path): the README's '# vLLM registry tier' "
+                                       "command runs these, CI's '# vLLM tier' leaves them out")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -142,10 +142,6 @@ def test_a_kernel_vllms_cpu_backend_lacks_is_a_skip_naming_it(in_limits_child: A
     ("NemotronHForCausalLM", "float32", "load_model",
      "vLLM's fused MoE (layers/fused_moe/config.py FusedMoEConfig) runs experts whose activation is not gated "
      "(is_act_and_mul=False) only on CUDA, XPU and ROCm"),
-    ("KimiLinearForCausalLM", "bfloat16", "startup",
-     "vLLM's CPU platform, which has no Triton, rebinds Triton kernels to C++ fallbacks when a worker starts "
-     "(platforms/cpu.py register_triton_kernel_overrides), and its scan of every imported module "
-     "(triton_utils/dispatcher.py _rebind_kernels) breaks on llvmlite's library wrapper"),
     ("LongcatFlashForCausalLM", "bfloat16", "generate",
      "vLLM's CPU build has no topk_softmax kernel (torch.ops._moe_C.topk_softmax, which vllm/_custom_ops.py calls, "
      "is built for CUDA only)"),
@@ -159,6 +155,25 @@ def test_a_feature_vllms_cpu_backend_lacks_is_a_skip_naming_it(in_limits_child: 
     assert outcome == "skipped", message
     assert message.startswith(f"vLLM's engine cannot run the checker's tiny checkpoint of {architecture} at "
                               f"tensor_parallel_size=1 ({dtype}) in phase {phase}: {reason}"), message
+
+
+def test_a_model_whose_processor_imports_numba_runs_in_vllms_own_layout(in_limits_child: Any, tmp_path: Path) -> None:
+    # Kimi K2.5's processor imports numba; in the warm ranks (front end and worker one process) vLLM CPU's
+    # Triton-kernel rebinding scan then breaks on llvmlite (limits.py), so the check starts vLLM's spawned layout.
+    outcome, message, detail = in_limits_child(_outcome, "load", str(tmp_path), "KimiK25ForConditionalGeneration")
+    assert outcome == "passed", message
+    assert detail["dtype"] == "bfloat16" and all(len(tokens) > 0 for tokens in detail["tokens"]), detail
+
+
+@pytest.mark.registry
+def test_vllms_kimi_linear_importing_a_cuda_kernel_while_built_is_the_models_failure(in_limits_child: Any,
+                                                                                     tmp_path: Path) -> None:
+    # vLLM 0.32's kimi_k3 model imports its CUTLASS-DSL GEMM kernel when VLLM_KIMI_K3_GEMM_AR is on (the default),
+    # on every platform: a failure of the model on this platform, not a limit of the checker.
+    outcome, message, detail = in_limits_child(_outcome, "load", str(tmp_path), "KimiLinearForCausalLM")
+    assert outcome == "failed", message
+    assert "ModuleNotFoundError: No module named 'cutlass'" in message, message
+    assert detail["cause"] == "ModuleNotFoundError: No module named 'cutlass'"
 
 
 @pytest.mark.parametrize(("architecture", "phase", "exception"), [

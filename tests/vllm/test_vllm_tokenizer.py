@@ -54,15 +54,15 @@ def test_the_tokenizer_is_written_where_vllm_reads_one_and_vllms_loaders_read_it
 
 # What load[tp=1] meets next, once vLLM has its tokenizer: other limits of the checker, reported, not the tokenizer.
 NEXT_LIMIT = {
-    # limits.py's numba/llvmlite limit of vLLM's CPU Triton-kernel rebinding (triton_utils/dispatcher.py)
-    "InklingForCausalLM": "register_triton_kernel_overrides",
+    # limits.py's schema gap: vLLM's inkling model reads vLLM's own InklingModelConfig's fields
+    "InklingForCausalLM": "the tiny config has no padded_vocab_size",
 }
 
 
 @pytest.mark.parametrize("architecture", ["InklingForCausalLM", "WhisperForConditionalGeneration"])
 def test_load_tp1_starts_vllm_with_the_tiny_tokenizer(in_child: Any, tmp_path: Any, architecture: str) -> None:
     detail = in_child(load_tp1, str(tmp_path), architecture)
-    if isinstance(detail, str) and architecture in NEXT_LIMIT and NEXT_LIMIT[architecture] in detail:
+    if isinstance(detail, str) and detail.startswith("CheckSkip: ") and NEXT_LIMIT.get(architecture, "?") in detail:
         pytest.xfail(f"past the tokenizer, load[tp=1] meets another limit of the checker: {detail}")
     assert isinstance(detail, dict), detail
     assert detail["tensor_parallel_size"] == 1 and all(len(tokens) > 0 for tokens in detail["tokens"])

@@ -433,6 +433,25 @@ def _remove_left_shm(before: set[str]) -> None:
 
 
 @contextlib.contextmanager
+def _short_tmpdir() -> Iterator[None]:
+    """TMPDIR (here and in the processes vLLM spawns) a new directory directly in /tmp for the block, removed after:
+    vLLM's engine core binds its ZeroMQ IPC sockets in TMPDIR, and a check's private TMPDIR nests past the 107-byte
+    limit of a socket's path."""
+    path = tempfile.mkdtemp(prefix="vllm-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = tempfile.tempdir = path
+    try:
+        yield
+    finally:
+        tempfile.tempdir = None
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def _one_multirank_engine_at_a_time(deadline: Deadline) -> Iterator[None]:
     """Hold MULTIRANK_LOCK (machine-wide) while a TP>1 engine runs, waiting for it no longer than ``deadline``."""
     fd = os.open(MULTIRANK_LOCK, os.O_CREAT | os.O_RDWR, 0o666)
@@ -526,7 +545,8 @@ def run_engine(ckpt: str, tp: int, mode: str = "warm", timeout: float = 300.0,
     if mode == "spawn":
         # collective_rpc ships rank_memory (a function) to the engine-core process: vLLM's opt-in for pickling it.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        run = _drive(ckpt, tp, mode, 0, dict(engine_args or {}), capture_prompt)
+        with _short_tmpdir():
+            run = _drive(ckpt, tp, mode, 0, dict(engine_args or {}), capture_prompt)
     else:
         run = _run_ranks(ckpt, tp, timeout, capture_prompt, engine_args)
     run.seconds["total"] = time.perf_counter() - start

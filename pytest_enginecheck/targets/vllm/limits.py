@@ -22,6 +22,10 @@ SCHEMA_GAPS = {
     ("MiMoV2FlashConfig", "hybrid_layer_pattern"):
         "vLLM's mimo_v2.py reads the config schema of Xiaomi's hub checkpoint (hybrid_layer_pattern, moe_layer_freq, "
         "swa_* fields), which transformers' MiMoV2FlashConfig replaced by layer_types and mlp_layer_types",
+    ("InklingTextConfig", "padded_vocab_size"):
+        "vLLM's inkling model (models/inkling/nvidia/model.py) reads the schema of vLLM's own InklingModelConfig "
+        "(models/inkling/configs.py, model_type 'inkling_model': padded_vocab_size, ...), which transformers' "
+        "InklingTextConfig, the class the tiny config is written with, does not have",
     ("VoxtralEncoderConfig", "downsample_factor"):
         "vLLM's voxtral.py reads audio_config.downsample_factor, which only vLLM's Mistral-format config adapter "
         "(transformers_utils/configs/mistral.py) sets; transformers' VoxtralEncoderConfig has no such field",
@@ -188,9 +192,10 @@ def _cpu_kernel_override_scan(failure: EngineFailure) -> str | None:
     its C++ fallback when a worker starts (platforms/cpu.py ``register_triton_kernel_overrides``): the scan over
     ``sys.modules`` (triton_utils/dispatcher.py ``_rebind_kernels``) reads ``vars(value).get`` of every module
     global, and llvmlite's library wrapper (``llvmlite.binding.ffi.lib``, imported with numba) answers ``__dict__``
-    with a ``_lib_fn_wrapper``. The checker imports the model's module (to build the tiny checkpoint) in the
-    process the ranks fork from, so a model module that imports numba (vLLM's kimi_k3 through its kimi_k25
-    processor) has llvmlite loaded before the worker starts, where vLLM's own start imports it only after."""
+    with a ``_lib_fn_wrapper``. In the checker's warm ranks the front end and the worker are one process, so a
+    multimodal processor that imports numba (vLLM's kimi_k25 processor) is imported before the worker's scan;
+    ``in_process_artifact`` has the check start vLLM again with vLLM's own processes, and only a failure there too
+    is this skip."""
     file, function, _ = raised_in(failure.traceback)
     if not (failure.exception == "AttributeError: '_lib_fn_wrapper' object has no attribute 'get'"
             and file.endswith("vllm/triton_utils/dispatcher.py") and function == "_rebind_kernels"):
@@ -198,8 +203,14 @@ def _cpu_kernel_override_scan(failure: EngineFailure) -> str | None:
     return ("vLLM's CPU platform, which has no Triton, rebinds Triton kernels to C++ fallbacks when a worker starts "
             "(platforms/cpu.py register_triton_kernel_overrides), and its scan of every imported module "
             "(triton_utils/dispatcher.py _rebind_kernels) breaks on llvmlite's library wrapper: numba was imported "
-            "before the worker started, with the model's module, which the checker imports before starting vLLM "
-            "(vLLM's own start imports it only after)")
+            "before the worker started")
+
+
+def in_process_artifact(failure: EngineFailure) -> bool:
+    """Whether ``failure`` comes from the checker's warm layout, where vLLM's front end and its worker are one
+    process (so the front end's imports precede the worker's start), and vLLM's own layout of spawned processes
+    may start where it could not."""
+    return _cpu_kernel_override_scan(failure) is not None
 
 
 def _short(file: str) -> str:
