@@ -30,10 +30,13 @@ def test_a_missing_vllm_is_an_error_where_the_tier_requires_it(pytester: pytest.
     result.stderr.fnmatch_lines(["ERROR: ENGINECHECK_REQUIRE_VLLM=1 but vLLM is not importable by *"])
 
 
-def test_the_readme_tier_command_requires_vllm() -> None:
+def test_the_readme_tier_commands_require_vllm_and_split_the_tier_in_two() -> None:
     readme = (Path(__file__).parents[2] / "README.md").read_text().splitlines()
-    command = readme[readme.index("# vLLM tier") + 1]  # the line .ci/run's readme_command runs
-    assert "ENGINECHECK_REQUIRE_VLLM=1 " in command and "tests/vllm" in command
+    # CI's (the line .ci/run's readme_command runs) and the registry's
+    ci, registry = (readme[readme.index(f"# {name}") + 1] for name in ("vLLM tier", "vLLM registry tier"))
+    for command in (ci, registry):
+        assert "ENGINECHECK_REQUIRE_VLLM=1 " in command and "tests/vllm" in command, command
+    assert '-m "not registry"' in ci and " -m registry " in registry  # together, every test of the tier
 
 
 def test_the_readme_sglang_tier_command_requires_sglang(pytester: pytest.Pytester,

@@ -165,7 +165,6 @@ def test_a_model_whose_processor_imports_numba_runs_in_vllms_own_layout(in_limit
     assert detail["dtype"] == "bfloat16" and all(len(tokens) > 0 for tokens in detail["tokens"]), detail
 
 
-@pytest.mark.registry
 def test_vllms_kimi_linear_importing_a_cuda_kernel_while_built_is_the_models_failure(in_limits_child: Any,
                                                                                      tmp_path: Path) -> None:
     # vLLM 0.32's kimi_k3 model imports its CUTLASS-DSL GEMM kernel when VLLM_KIMI_K3_GEMM_AR is on (the default),
