@@ -211,8 +211,8 @@ def _checkpoint(ctx: CheckContext) -> str:
 def _engine_inputs(ctx: CheckContext) -> tuple[str, dict[str, Any]]:
     """The tiny checkpoint (``_checkpoint``) and the engine arguments (``_dtype_args``) of ``ctx``'s architecture,
     decided in a fork of this check's process: the model's module is imported there and never here, so the ranks
-    this process forks next start as vLLM's own do, before any module the model imports. (numba, imported by
-    vLLM's kimi_k25 processor, broke vLLM CPU's Triton-kernel rebinding scan in every rank forked after it.)"""
+    this process forks next start as vLLM's own do, before any module the model imports. (vLLM's kimi_k3 module
+    imports numba, which broke vLLM CPU's Triton-kernel rebinding scan in every rank forked after it.)"""
     from engine_ref.isolation import run_isolated
 
     return cast(tuple[str, dict[str, Any]], run_isolated(_engine_inputs_here, ctx, timeout=ctx.timeout,
