@@ -4,6 +4,8 @@ unless ``ENGINECHECK_REQUIRE_VLLM=1`` (the README's ``# vLLM tier`` command sets
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,3 +52,17 @@ def test_the_readme_sglang_tier_command_requires_sglang(pytester: pytest.Pyteste
         result = pytester.runpytest_subprocess(str(tier), "-p", "no:cacheprovider", "-q")
         assert result.ret == pytest.ExitCode.USAGE_ERROR
         result.stderr.fnmatch_lines(["ERROR: ENGINECHECK_REQUIRE_SGLANG=1 but SGLang is not importable by *"])
+
+
+def test_every_registry_entry_names_a_test_of_the_tier() -> None:
+    """A renamed test would otherwise leave its REGISTRY entry matching nothing (and move to CI's tier unseen)."""
+    from tests.vllm.conftest import REGISTRY
+
+    tier = Path(__file__).parents[1] / "vllm"
+    collected = subprocess.run([sys.executable, "-m", "pytest", str(tier), "--collect-only", "-q", "-m", "registry",
+                                "-p", "no:cacheprovider"], capture_output=True, text=True, timeout=120,
+                               cwd=tier.parents[1])
+    marked = [line.split("/")[-1] for line in collected.stdout.splitlines() if "::" in line]
+    unmatched = [entry for entry in REGISTRY if not any(node.startswith(entry) for node in marked)]
+    assert marked and not unmatched, (unmatched, collected.stdout[-2000:], collected.stderr[-2000:])
+
