@@ -93,30 +93,13 @@ def test_ray_tp2_matches_tp1_and_stops_the_ray_it_started(tiny_checkpoint: Calla
     assert not tmp_dir.exists()
 
 
-@pytest.fixture(scope="module")
-def callers_ray_session() -> Iterator[None]:
-    """A Ray the caller started, shared by the module's tests that need one (each ray.init and shutdown costs
-    seconds of waiting); the tests that start their own Ray come first in the module and assert none runs."""
-    assert not ray.is_initialized(), "a Ray from an earlier test is still running"
+@pytest.fixture
+def caller_ray(no_ray_running: None) -> Iterator[None]:
     session_dir = tempfile.mkdtemp(prefix="ray-")  # short: Ray puts unix sockets there
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=session_dir)
     yield
     ray.shutdown()
     shutil.rmtree(session_dir, ignore_errors=True)
-
-
-def wait_for_free_cpus(seconds: float = 60) -> None:
-    """Until Ray has its 2 CPUs back (an earlier engine's killed actors release them a moment after they die)."""
-    freed = time.monotonic() + seconds
-    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < freed:
-        time.sleep(0.1)
-
-
-@pytest.fixture
-def caller_ray(callers_ray_session: None) -> None:
-    """The caller's Ray is running, with no engine of an earlier test holding its CPUs."""
-    assert ray.is_initialized(), "a test shut down the caller's Ray"
-    wait_for_free_cpus()
 
 
 def test_ray_worker_failure_names_rank_and_leaves_the_callers_ray(tiny_checkpoint: Callable[..., Path],
@@ -161,7 +144,10 @@ def test_ray_hung_worker_is_dumped_and_killed_at_the_ready_timeout(tiny_checkpoi
     monkeypatch.setattr(RayDistributedExecutor, "_dump_stacks", timed_dump_stacks)
     for timeout_s in (20.0, 80.0):  # Ray actors are fresh interpreters: they need seconds before they can hang
         marks.clear()
-        wait_for_free_cpus()  # a retry starts once Ray has the first start's CPUs back
+        # A retry starts once Ray has the first start's CPUs back (its killed actors release them a moment later).
+        freed = time.monotonic() + 60
+        while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < freed:
+            time.sleep(0.1)
         with fault_models.registered() as arch:
             model = tiny_checkpoint(arch, overrides=fault_overrides("hang", "load_weights"))
             start = time.monotonic()
