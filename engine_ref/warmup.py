@@ -1,12 +1,13 @@
 """Preloaded by the warm parent (see engine_ref.isolation): the heavy imports every child needs.
 
-It imports torch and engine_ref's engine core, never a model module, and never touches CUDA.
+It imports torch and engine_ref's engine core, never a model module, and never touches CUDA. Not
+torch._dynamo (~1 s): engine startup never imports it (see rotary_embedding and ActivationTracker);
+the memory estimate's fake tensors do, so pytest_enginecheck preloads it for the checks that estimate.
 """
 
 import cloudpickle  # noqa: F401 - preloaded for the children, not used here
 import safetensors.torch  # noqa: F401 - preloaded for the children, not used here
 import torch
-import torch._dynamo  # entering a TorchDispatchMode imports it (~1 s): pay it once here
 import torch.distributed
 
 import engine_ref.model_executor.layers.activation

@@ -81,6 +81,10 @@ class KnownValuesMode(TorchDispatchMode):
         self.fake_mode = fake_mode
         self.values: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as ActivationTracker's: no torch._dynamo import (~1 s) at the first operator
+
     def _value(self, x: Any) -> Any:
         return self.values[x] if isinstance(x, FakeTensor) else x
 

@@ -33,6 +33,12 @@ class ActivationTracker(TorchDispatchMode):
             if isinstance(tensor, torch.Tensor):
                 self._seen[tensor.untyped_storage()] = None
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless this says no, and the wrapper's
+        # first call imports torch._dynamo (~1 s a process); nothing runs under torch.compile inside this mode
+        return False
+
     def _freed(self, nbytes: int, _storage_ref: weakref.ref) -> None:
         self.current_bytes -= nbytes
 

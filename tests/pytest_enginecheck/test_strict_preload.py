@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from pytest_enginecheck import guard
+from pytest_enginecheck.checks import CHECKS
 from pytest_enginecheck.guard import CudaGuard, remember_preload_queries
 from pytest_enginecheck.session import CHILD_MODULES
+from pytest_enginecheck.targets.engine_ref import EngineRefTarget
 
 
 @pytest.fixture
@@ -74,6 +76,17 @@ def test_engine_refs_warm_parent_preloads_nothing_that_queries_cuda() -> None:
         "    for name in sys.argv[1:]:\n"
         "        importlib.import_module(name)\n"
         "print(json.dumps([a.describe() for a in g.accesses]))\n")
-    out = subprocess.run([sys.executable, "-c", script, "engine_ref.warmup", *CHILD_MODULES],
+    out = subprocess.run([sys.executable, "-c", script, "engine_ref.warmup", *CHILD_MODULES,
+                          *EngineRefTarget("engine_ref").warm_parent_modules(CHECKS)],
                          capture_output=True, text=True, timeout=120, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_torch_dynamo_is_preloaded_only_for_the_checks_that_run_the_memory_estimate() -> None:
+    """Its import costs ~1 s in every warm parent; engine startup never needs it (tests/engine_ref/test_warmup.py),
+    the estimate's fake tensors do, and without the preload each check child that estimates would import it."""
+    target = EngineRefTarget("engine_ref")
+    for checks in [("import", "inspect", "load", "startup", "lora"), ("plugins",)]:
+        assert "torch._dynamo" not in target.warm_parent_modules(checks), checks
+    for checks in [("budget",), ("quant",), ("import", "load", "budget", "startup")]:
+        assert "torch._dynamo" in target.warm_parent_modules(checks), checks

@@ -85,10 +85,13 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_size = head_size
         base = float(rope_parameters["rope_theta"])
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
+        # computed on the CPU whatever device the model is built on, as Hugging Face does: the same float32 values
+        # everywhere, and on the meta device no Python reference kernels (their first call imports torch._dynamo)
+        exponents = torch.arange(0, head_size, 2, dtype=torch.int64, device="cpu").float() / head_size
+        inv_freq = 1.0 / (base ** exponents)
         if rope_parameters["rope_type"] == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

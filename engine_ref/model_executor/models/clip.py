@@ -22,7 +22,10 @@ class CLIPVisionEmbeddings(nn.Module):
         self.class_embedding = nn.Parameter(torch.empty(config.hidden_size), requires_grad=False)
         self.patch_embedding = nn.Conv2d(config.get("num_channels", 3), config.hidden_size,
                                          kernel_size=self.patch_size, stride=self.patch_size, bias=False)
-        self.position_embedding = nn.Embedding(self.num_positions, config.hidden_size)
+        # given its (loaded) weight: nn.Embedding's own init draws on the meta device through Python reference
+        # kernels, whose first call imports torch._dynamo (~1 s)
+        self.position_embedding = nn.Embedding(self.num_positions, config.hidden_size,
+                                               _weight=torch.empty(self.num_positions, config.hidden_size))
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         if pixel_values.shape[-2:] != (self.image_size, self.image_size):

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from pytest_enginecheck.options import Settings
 
 MAPPING_CHECKS = ("import", "inspect")
+ESTIMATE_CHECKS = ("budget", "quant")  # they compare against engine_ref.memory.estimate
 CHECK_MODULES = {
     "plugins": "pytest_enginecheck.checks.plugins_check",
     "import": "pytest_enginecheck.checks.import_check",
@@ -99,7 +100,11 @@ class EngineRefTarget(Target):
         return function
 
     def warm_parent_modules(self, checks: tuple[str, ...], strict: bool = False) -> tuple[str, ...]:
-        return ("pytest_enginecheck.targets.engine_ref.inspect_check",)  # light: it imports no model
+        """The inspect check's module (light: it imports no model), and torch._dynamo (~1 s) where a check runs the
+        memory estimate: its fake tensors run Python reference kernels, whose first call would import it in every
+        check child."""
+        estimates = ("torch._dynamo",) if set(checks) & set(ESTIMATE_CHECKS) else ()
+        return ("pytest_enginecheck.targets.engine_ref.inspect_check", *estimates)
 
     def cache_counts(self) -> dict[str, int] | None:
         """engine_ref's registry's lookups in this process; None when it is not loaded (a check that never looked
