@@ -7,7 +7,9 @@ has every pending rank's Python stacks dumped before all ranks are killed.
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -35,6 +37,11 @@ def _rank_main(payload: bytes, rank: int, world_size: int, init_method: str, con
         conn.send_bytes(cloudpickle.dumps((ERROR, Failure.capture(e))))
     finally:
         destroy_distributed_environment()
+    # Answered: exit now, as run_isolated's children do. A thread the function left running (a model's poller)
+    # would otherwise keep the rank alive until the caller's grace ran out.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_multirank(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 60.0,
