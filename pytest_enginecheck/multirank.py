@@ -7,6 +7,7 @@ has every pending rank's Python stacks dumped before all ranks are killed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -25,19 +26,29 @@ class MultirankError(Exception):
 
 def _rank_main(payload: bytes, rank: int, world_size: int, init_method: str, conn: Connection) -> None:
     import cloudpickle
+    import torch.distributed
 
     from engine_ref.distributed.parallel_state import destroy_distributed_environment, init_distributed_environment
     from engine_ref.isolation import ERROR, OK, Failure
 
+    answered = False
     try:
         init_distributed_environment(world_size, rank, init_method, "gloo")
         fn, args, kwargs = cloudpickle.loads(payload)
         conn.send_bytes(cloudpickle.dumps((OK, fn(rank, world_size, *args, **kwargs))))
+        answered = True
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         conn.send_bytes(cloudpickle.dumps((ERROR, Failure.capture(e))))
+    try:
+        if answered:
+            # No rank leaves before every rank answered: one that exits closes its connections, which fails a peer
+            # still setting up its process groups with it ("Connection closed by peer"). A peer that failed
+            # instead is what the caller reports; this rank's barrier then fails or waits to be killed.
+            with contextlib.suppress(Exception):
+                torch.distributed.barrier()
     finally:
         destroy_distributed_environment()
-    # Answered: exit now, as run_isolated's children do. A thread the function left running (a model's poller)
+    # Then exit at once, as run_isolated's children do: a thread the function left running (a model's poller)
     # would otherwise keep the rank alive until the caller's grace ran out.
     sys.stdout.flush()
     sys.stderr.flush()
