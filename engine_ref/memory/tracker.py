@@ -36,7 +36,7 @@ class ActivationTracker(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless this says no, and the wrapper's
-        # first call imports torch._dynamo (~1 s a process); nothing runs under torch.compile inside this mode
+        # first call imports torch._dynamo (~1 s a process); a torch.compile'd function inside the block still runs
         return False
 
     def _freed(self, nbytes: int, _storage_ref: weakref.ref) -> None:
