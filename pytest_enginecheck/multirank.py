@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from engine_ref.isolation import WarmProcess
 
 
+CLOSE_GRACE_S = 5.0  # what a rank gets to exit by itself once the call is over, before it is killed
+
+
 class MultirankError(Exception):
     """A rank raised, died or hung; the message carries its traceback, signal or stacks."""
 
@@ -103,5 +106,5 @@ def run_multirank(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeo
         for conn in conns.values():
             conn.close()
         for proc in procs.values():
-            proc.close(grace_s=5.0)
+            proc.close(grace_s=CLOSE_GRACE_S)
         shutil.rmtree(store_dir, ignore_errors=True)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from pytest_enginecheck.multirank import run_multirank
-
-CLOSE_GRACE_S = 5.0  # what run_multirank gives a rank to exit by itself before it kills it
+from pytest_enginecheck.multirank import CLOSE_GRACE_S, run_multirank
 
 
 def _leave_a_thread(rank: int, world_size: int) -> tuple[int, float]:

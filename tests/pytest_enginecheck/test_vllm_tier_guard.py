@@ -65,4 +65,3 @@ def test_every_registry_entry_names_a_test_of_the_tier() -> None:
     marked = [line.split("/")[-1] for line in collected.stdout.splitlines() if "::" in line]
     unmatched = [entry for entry in REGISTRY if not any(node.startswith(entry) for node in marked)]
     assert marked and not unmatched, (unmatched, collected.stdout[-2000:], collected.stderr[-2000:])
-
