@@ -4,7 +4,7 @@
 
 Run it with the Python of a venv that has vLLM (the vllm tier's: ``V=$(.ci/vllm-venv | tail -1)``). For each
 architecture, in name order and in this one process (unless ``--jobs``), it runs what ``load``/``budget``/``startup``
-run before they start vLLM's engine (``checks._checkpoint``: the import under the CUDA guard, the kind vLLM's
+run before they start vLLM's engine (``steps.engine_checkpoint``: the import under the CUDA guard, the kind vLLM's
 registry lists it as, vLLM's ModelInfo, the tiny checkpoint, written into a temp dir removed at the end), and sorts
 the outcome:
 
@@ -44,7 +44,8 @@ COLUMNS = {"text generation": "text generation", "multimodal": "multimodal", "em
 # The kind of vLLM's Transformers-backend lists (probe.MIXED_KINDS: their engine checks are decided by the ModelInfo).
 TRANSFORMERS_BACKEND = "transformers backend"
 OUT_OF_TREE = "out of tree"  # registered by a plugin: in none of vLLM's in-tree lists
-# A skip's reason class, by a phrase of the message checks.py / checkpoints.py word it with (first match wins).
+# A skip's reason class, by a phrase of the message the checks' steps or the checkpoint writers word it with
+# (first match wins).
 SKIP_CLASSES = (
     ("CPU build", "skipped: no CPU build of vLLM"),
     ("vLLM registers", "skipped: not a generating kind"),
@@ -91,13 +92,13 @@ def failure_class(detail: dict[str, Any]) -> str:
 
 
 def coverage(architecture: str, module: str, class_name: str, kind: str, workdir: str) -> Coverage:
-    """Run ``checks._checkpoint`` for ``architecture`` and sort its outcome (see the module docstring)."""
-    from pytest_enginecheck.targets.vllm import checks
+    """Run ``steps.engine_checkpoint`` for ``architecture`` and sort its outcome (see the module docstring)."""
+    from pytest_enginecheck.targets.vllm.checks import steps
 
     ctx = CheckContext(check="load", spec="vllm", architecture=architecture, module=module, class_name=class_name,
                        workdir=workdir)
     try:
-        checks._checkpoint(ctx)
+        steps.engine_checkpoint(ctx)
     except CheckSkip as e:
         return Coverage(architecture, kind, skip_class(str(e)), str(e))
     except CheckFailure as e:
@@ -110,8 +111,8 @@ def coverage(architecture: str, module: str, class_name: str, kind: str, workdir
 def measure(kinds: set[str] | None = None, shard: tuple[int, int] = (0, 1)) -> list[Coverage]:
     """Coverage of every architecture of the installed vLLM's registry (of ``kinds`` only, when given); of shard
     ``(k, n)``, every n-th of them from the k-th, in name order."""
+    from pytest_enginecheck.targets.vllm.describe.registry import list_architectures
     from pytest_enginecheck.targets.vllm.probe import probe
-    from pytest_enginecheck.targets.vllm.registry import list_architectures
 
     api = probe()
     kind = {e.architecture: api.model_kinds.get(e.architecture) or OUT_OF_TREE for e in list_architectures()}

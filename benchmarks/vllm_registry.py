@@ -22,13 +22,13 @@ from typing import Any
 
 
 def _describe() -> list[Any]:
-    from pytest_enginecheck.targets.vllm.registry import list_architectures
+    from pytest_enginecheck.targets.vllm.describe.registry import list_architectures
 
     return list_architectures()
 
 
 def _check(entry: Any, inspect: bool) -> str:
-    from pytest_enginecheck.targets.vllm.registry import import_model_class, inspect_in_fork
+    from pytest_enginecheck.targets.vllm.describe.registry import import_model_class, inspect_in_fork
 
     result = import_model_class(entry)
     if result.accesses:
@@ -43,7 +43,7 @@ def _check(entry: Any, inspect: bool) -> str:
 
 
 def _subprocess_inspect(architecture: str) -> float:
-    from pytest_enginecheck.targets.vllm.registry import inspect_in_subprocess
+    from pytest_enginecheck.targets.vllm.describe.registry import inspect_in_subprocess
 
     start = time.perf_counter()
     inspect_in_subprocess(architecture)
@@ -76,7 +76,7 @@ def main() -> None:
 
         from engine_ref.isolation import run_isolated
         from pytest_enginecheck.guard import CudaGuard
-        from pytest_enginecheck.targets.vllm.preload import derive_preload
+        from pytest_enginecheck.targets.vllm.describe.preload import derive_preload
 
         print(f"load: {os.getloadavg()}")
         t = time.perf_counter()
@@ -88,7 +88,7 @@ def main() -> None:
         preload_s = time.perf_counter() - t
         t = time.perf_counter()
         with CudaGuard() as guard:
-            for name in ("pytest_enginecheck.targets.vllm.registry", *preload):
+            for name in ("pytest_enginecheck.targets.vllm.describe.registry", *preload):
                 importlib.import_module(name)
         assert not guard.accesses, guard.accesses
         warm_s = time.perf_counter() - t

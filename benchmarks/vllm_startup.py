@@ -20,14 +20,14 @@ from typing import Any
 
 
 def _start(ckpt: str, tp: int, mode: str) -> dict[str, Any]:
-    from pytest_enginecheck.targets.vllm.engine import run_engine
+    from pytest_enginecheck.targets.vllm.engine.run import run_engine
 
     run = run_engine(ckpt, tp, mode)
     return {"tokens": run.tokens, "seconds": run.seconds}
 
 
 def _checkpoint(architecture: str, workdir: str) -> str:
-    from pytest_enginecheck.targets.vllm.checkpoints import tiny_checkpoint
+    from pytest_enginecheck.targets.vllm.checkpoints.tiny import tiny_checkpoint
 
     return str(tiny_checkpoint(architecture, workdir))
 

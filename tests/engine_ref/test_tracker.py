@@ -1,5 +1,5 @@
 """ActivationTracker, the one activation-peak tracker of both targets (engine_ref's profile run and
-``targets.vllm.memory.activation_peak``): a storage counts until its last reference dies."""
+``targets.vllm.engine.memory.activation_peak``): a storage counts until its last reference dies."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine_ref.memory.tracker import ActivationTracker
-from pytest_enginecheck.targets.vllm.memory import activation_peak
+from pytest_enginecheck.targets.vllm.engine.memory import activation_peak
 
 MiB = 1 << 20
 MODES: dict[str, Callable[[], contextlib.AbstractContextManager]] = {

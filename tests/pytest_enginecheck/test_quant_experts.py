@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytest_enginecheck.targets.vllm.quant_experts import SHARDS, dequantized_interval, reference, routing
+from pytest_enginecheck.targets.vllm.checks.quant_experts import SHARDS, dequantized_interval, reference, routing
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 64, 64, 4, 2
 

@@ -87,7 +87,7 @@ def test_classify_keeps_library_and_plugin_frames_out_of_the_users_and_defaults_
 
 
 def test_root_line_is_the_last_exception_line_of_a_traceback() -> None:
-    from pytest_enginecheck.targets.vllm.registry import root_line
+    from pytest_enginecheck.targets.vllm.describe.registry import root_line
 
     text = textwrap.dedent('''\
         Traceback (most recent call last):
@@ -139,7 +139,7 @@ def test_redirect_caches_fills_only_the_variables_the_user_left_unset(tmp_path: 
 # --- checkpoints: the tiny-config shrinking rules -------------------------------------------------------------
 
 def test_tiny_sizes_shrink_only_the_fields_a_config_has() -> None:
-    from pytest_enginecheck.targets.vllm.checkpoints import TINY_SIZES, tiny_sizes
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import TINY_SIZES, tiny_sizes
 
     sizes = tiny_sizes({"hidden_size": 4096, "num_attention_heads": 32, "head_dim": 128, "rope_theta": 1e6})
     assert sizes == {"hidden_size": 64, "num_attention_heads": 2, "head_dim": 32}
@@ -148,7 +148,7 @@ def test_tiny_sizes_shrink_only_the_fields_a_config_has() -> None:
 
 
 def test_tiny_sizes_keep_a_top1_router_top1_and_make_every_layer_full_attention() -> None:
-    from pytest_enginecheck.targets.vllm.checkpoints import tiny_sizes
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import tiny_sizes
 
     top1 = tiny_sizes({"num_local_experts": 16, "num_experts_per_tok": 1})
     assert top1 == {"num_local_experts": 4, "num_experts_per_tok": 1}
@@ -166,18 +166,18 @@ def _ckpt(tmp_path: Path, **config: Any) -> str:
 
 
 def test_verify_tp_skips_a_size_the_heads_cannot_be_split_over(tmp_path: Path) -> None:
-    from pytest_enginecheck.targets.vllm.checks import _fits, _verify_tp
+    from pytest_enginecheck.targets.vllm.checks.steps import fits, verify_tp
 
     ckpt = _ckpt(tmp_path, num_attention_heads=6)
-    _verify_tp(ckpt, 2)
-    _verify_tp(ckpt, 3)
+    verify_tp(ckpt, 2)
+    verify_tp(ckpt, 3)
     with pytest.raises(CheckSkip, match="num_attention_heads=6 cannot be split over tensor_parallel_size=4"):
-        _verify_tp(ckpt, 4)
-    assert [_fits(ckpt, tp) for tp in (1, 2, 4, 6)] == [True, True, False, True]
+        verify_tp(ckpt, 4)
+    assert [fits(ckpt, tp) for tp in (1, 2, 4, 6)] == [True, True, False, True]
 
 
 def test_logprob_difference_is_the_worst_token_both_runs_report_and_where() -> None:
-    from pytest_enginecheck.targets.vllm.checks import logprob_difference
+    from pytest_enginecheck.targets.vllm.checks.load import logprob_difference
 
     reference = [[{"5": -1.0, "7": -2.0}, {"3": -0.5}], [{"1": -0.1}]]
     run = [[{"5": -1.0, "9": -3.0}, {"3": -0.5}], [{"1": -0.1004, "2": -9.0}]]
@@ -194,7 +194,7 @@ def test_logprob_difference_is_the_worst_token_both_runs_report_and_where() -> N
 def _answer(conn: Connection) -> None:
     import cloudpickle
 
-    from pytest_enginecheck.targets.vllm.engine import EngineRun
+    from pytest_enginecheck.targets.vllm.engine.drive import EngineRun
 
     conn.send_bytes(cloudpickle.dumps(("ok", EngineRun(2, "warm", [[1, 2]], [{"rank": 0}]))))
 
@@ -227,7 +227,7 @@ def _wait(*targets: Any, timeout: float, grace_s: float | None = None) -> tuple[
     """Start one process per target as the engine starts its ranks, wait for them and close them as it does:
     (what the wait returned or raised, its seconds, the seconds closing the ranks took). None is left running."""
     from engine_ref.isolation import AnswerWait, Deadline, start_process
-    from pytest_enginecheck.targets.vllm.engine import SHUTDOWN_GRACE_S, _close_ranks, _gather
+    from pytest_enginecheck.targets.vllm.engine.ranks import SHUTDOWN_GRACE_S, _close_ranks, _gather
 
     ctx = multiprocessing.get_context("fork")
     procs, readers = {}, {}
@@ -254,7 +254,7 @@ def _wait(*targets: Any, timeout: float, grace_s: float | None = None) -> tuple[
 
 
 def test_every_pending_ranks_stacks_at_the_deadline_and_one_bounded_shutdown() -> None:
-    from pytest_enginecheck.targets.vllm.engine import EngineStartError
+    from pytest_enginecheck.targets.vllm.engine.drive import EngineStartError
 
     error, waited, closed = _wait(_answer, _hang_in, _hang_in, timeout=2.0)
     assert isinstance(error, EngineStartError), error
@@ -268,7 +268,8 @@ def test_every_pending_ranks_stacks_at_the_deadline_and_one_bounded_shutdown() -
 
 
 def test_a_rank_that_dies_is_named_with_its_exit_and_its_hung_peer_costs_no_grace() -> None:
-    from pytest_enginecheck.targets.vllm.engine import FAILURE_GRACE_S, EngineStartError
+    from pytest_enginecheck.targets.vllm.engine.drive import EngineStartError
+    from pytest_enginecheck.targets.vllm.engine.ranks import FAILURE_GRACE_S
 
     error, waited, closed = _wait(_hang_in, _die, timeout=60.0)
     assert isinstance(error, EngineStartError), error
@@ -279,7 +280,7 @@ def test_a_rank_that_dies_is_named_with_its_exit_and_its_hung_peer_costs_no_grac
 
 
 def test_a_death_is_the_cause_over_the_error_its_peer_raises_after_it() -> None:
-    from pytest_enginecheck.targets.vllm.engine import EngineStartError
+    from pytest_enginecheck.targets.vllm.engine.drive import EngineStartError
 
     error, _, _ = _wait(_fail, _die, timeout=60.0)
     assert isinstance(error, EngineStartError) and "rank 1 exited with code 3" in str(error), error
@@ -301,7 +302,7 @@ def test_ranks_that_answer_are_gathered_in_rank_order() -> None:
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
 def test_the_all_reduce_segments_a_rank_left_are_unlinked_unless_someone_holds_them() -> None:
-    from pytest_enginecheck.targets.vllm.engine import SHM_DIR, _remove_left_shm, _shm_entries
+    from pytest_enginecheck.targets.vllm.engine.ranks import SHM_DIR, _remove_left_shm, _shm_entries
 
     before = _shm_entries()
     tag = f"enginecheck-test-{os.getpid()}"
@@ -387,7 +388,7 @@ def test_get_open_port_is_found_where_an_older_vllm_kept_it(fake_vllm: Any) -> N
 
 
 def test_a_vllm_without_get_open_port_anywhere_is_one_clear_unavailable(fake_vllm: Any, tmp_path: Path) -> None:
-    from pytest_enginecheck.targets.vllm.engine import run_engine
+    from pytest_enginecheck.targets.vllm.engine.run import run_engine
     from pytest_enginecheck.targets.vllm.probe import VllmUnavailable
 
     fake_vllm(drop=("vllm/utils/network_utils.py",))
@@ -442,8 +443,13 @@ def test_the_checks_turn_a_missing_api_into_a_skip_that_names_it(fake_vllm: Any,
 
 
 def test_importing_the_targets_modules_imports_no_engine() -> None:
-    modules = ["checks", "engine", "memory", "plugins", "probe", "failures", "checkpoints", "diagnosis", "registry",
-               "env"]
+    """Every module of the target (each room's), imported together, imports neither vLLM, torch nor transformers;
+    but ``describe.warm``, the warm parent's preload, which imports them on purpose."""
+    root = Path(__file__).parents[2] / "pytest_enginecheck" / "targets" / "vllm"
+    modules = sorted(".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+                     for p in root.rglob("*.py") if p.name != "__init__.py" or p.parent != root)
+    modules.remove("describe.warm")
+    assert {"probe", "describe.registry", "checkpoints.tiny", "engine.run", "checks.load"} <= set(modules)
     code = ("import sys\n" + "".join(f"import pytest_enginecheck.targets.vllm.{m}\n" for m in modules)
             + "print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'torch', 'transformers'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
@@ -458,11 +464,12 @@ def test_multirank_engines_take_turns_on_the_machine_lock(tmp_path: Path, monkey
     import os
 
     from engine_ref.isolation import Deadline
-    from pytest_enginecheck.targets.vllm import engine
-    from pytest_enginecheck.targets.vllm.engine import EngineStartError, _one_multirank_engine_at_a_time
+    from pytest_enginecheck.targets.vllm.engine import ranks
+    from pytest_enginecheck.targets.vllm.engine.drive import EngineStartError
+    from pytest_enginecheck.targets.vllm.engine.ranks import _one_multirank_engine_at_a_time
 
     MULTIRANK_LOCK = str(tmp_path / "multirank.lock")
-    monkeypatch.setattr(engine, "MULTIRANK_LOCK", MULTIRANK_LOCK)
+    monkeypatch.setattr(ranks, "MULTIRANK_LOCK", MULTIRANK_LOCK)
 
     with _one_multirank_engine_at_a_time(Deadline(1.0)):
         other = os.open(MULTIRANK_LOCK, os.O_RDWR)
@@ -533,7 +540,7 @@ def _verdict(check: str, architecture: str, workdir: Path, inspect_mode: str = "
 
 @pytest.fixture
 def fake_registry(fake_vllm: Any, monkeypatch: pytest.MonkeyPatch) -> Path:
-    from pytest_enginecheck.targets.vllm import plugins
+    from pytest_enginecheck.targets.vllm.describe import plugins
 
     monkeypatch.setattr(plugins, "_loaded", None)
     return Path(fake_vllm(FAKE_REGISTRY))
@@ -541,7 +548,7 @@ def fake_registry(fake_vllm: Any, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_inspect_uses_the_verdict_the_import_check_built_and_imports_by_itself_without_one(
         fake_registry: Path, tmp_path: Path) -> None:
-    from pytest_enginecheck.targets.vllm.checks import inspection_path
+    from pytest_enginecheck.targets.vllm.checks.inspect_check import inspection_path
 
     shared, alone = tmp_path / "session", tmp_path / "alone"
     assert _verdict("import", "ToyForCausalLM", shared)[0] == "passed"
@@ -571,7 +578,7 @@ def test_an_inspection_failure_built_by_the_import_check_is_the_inspect_checks_o
 
 
 def test_the_subprocess_inspection_is_never_built_by_the_import_check(fake_registry: Path, tmp_path: Path) -> None:
-    from pytest_enginecheck.targets.vllm.checks import inspection_path
+    from pytest_enginecheck.targets.vllm.checks.inspect_check import inspection_path
 
     assert _verdict("import", "ToyForCausalLM", tmp_path, inspect_mode="subprocess")[0] == "passed"
     assert not os.path.exists(inspection_path(CheckContext("inspect", "vllm", "ToyForCausalLM", "", "",
@@ -585,19 +592,19 @@ def test_a_crash_or_hang_while_building_the_stored_verdict_never_becomes_the_imp
     hangs there stores nothing, the import passes, and the inspect check inspects by itself."""
     import signal
 
-    from pytest_enginecheck.targets.vllm import checks
+    from pytest_enginecheck.targets.vllm.checks import inspect_check
 
     def breaks(*args: Any) -> None:
         if fate == "crash":
             os.kill(os.getpid(), signal.SIGSEGV)
         time.sleep(60)
 
-    monkeypatch.setattr(checks, "_store_inspection", breaks)
-    monkeypatch.setattr(checks, "STORE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(inspect_check, "_store_inspection", breaks)
+    monkeypatch.setattr(inspect_check, "STORE_TIMEOUT_S", 0.5)
     start = time.monotonic()
     assert _verdict("import", "ToyForCausalLM", tmp_path)[0] == "passed"
     assert time.monotonic() - start < 30  # the hang was cut at STORE_TIMEOUT_S, not waited for
-    assert not os.path.exists(checks.inspection_path(CheckContext("inspect", "vllm", "ToyForCausalLM", "", "",
+    assert not os.path.exists(inspect_check.inspection_path(CheckContext("inspect", "vllm", "ToyForCausalLM", "", "",
                                                                   str(tmp_path))))
 
 
@@ -618,7 +625,7 @@ Fatal Python error: Segmentation fault
 
 
 def test_a_rank_that_failed_keeps_its_warnings_and_errors_without_vllms_noise() -> None:
-    from pytest_enginecheck.targets.vllm.ranklog import trimmed_log
+    from pytest_enginecheck.targets.vllm.engine.ranklog import trimmed_log
 
     lines = RANK_OUTPUT.splitlines()
     assert trimmed_log(RANK_OUTPUT, failed=True, label="vllm-rank-0").splitlines() == [
@@ -628,7 +635,7 @@ def test_a_rank_that_failed_keeps_its_warnings_and_errors_without_vllms_noise() 
 
 
 def test_a_rank_that_answered_keeps_only_its_errors_and_full_keeps_everything(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_enginecheck.targets.vllm.ranklog import trimmed_log
+    from pytest_enginecheck.targets.vllm.engine.ranklog import trimmed_log
 
     lines = RANK_OUTPUT.splitlines()
     assert trimmed_log(RANK_OUTPUT, failed=False).splitlines()[:3] == [lines[6], lines[7], lines[8]]
@@ -641,7 +648,7 @@ def test_a_rank_that_answered_keeps_only_its_errors_and_full_keeps_everything(mo
 # --- checkpoints: the shrink rules for strict configs (transformers' validators are the checker's limit) -----------
 
 def test_a_hybrid_layout_keeps_one_layer_of_each_kind_and_attention_becomes_full() -> None:
-    from pytest_enginecheck.targets.vllm.checkpoints import tiny_layout
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import tiny_layout
 
     olmo_hybrid = ["linear_attention"] * 3 + ["full_attention"]
     assert tiny_layout(olmo_hybrid * 8, 2) == {"num_hidden_layers": 2,
@@ -654,7 +661,7 @@ def test_a_hybrid_layout_keeps_one_layer_of_each_kind_and_attention_becomes_full
 
 
 def test_mamba2_heads_follow_hidden_size_times_expand_and_its_groups_divide_them() -> None:
-    from pytest_enginecheck.targets.vllm.checkpoints import tiny_sizes
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import tiny_sizes
 
     sizes = tiny_sizes({"hidden_size": 4096, "head_dim": 64, "num_heads": 128, "expand": 2, "n_groups": 8})
     assert sizes["hidden_size"] * 2 == sizes["num_heads"] * sizes["head_dim"]
@@ -665,7 +672,7 @@ def test_mamba2_heads_follow_hidden_size_times_expand_and_its_groups_divide_them
 def test_a_read_only_property_is_never_set_and_an_int_field_keeps_its_default_instead_of_none() -> None:
     import dataclasses
 
-    from pytest_enginecheck.targets.vllm.checkpoints import _admits_none, _read_only
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import _admits_none, _read_only
 
     @dataclasses.dataclass
     class StrictConfig:
@@ -692,20 +699,20 @@ class _MultimodalModel:
 
 def test_a_refused_tiny_checkpoint_is_refused_once_per_session(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The reason is kept beside the checkpoints: the session's other items skip with it, without trying again."""
-    from pytest_enginecheck.targets.vllm import checkpoints
+    from pytest_enginecheck.targets.vllm.checkpoints import tiny
 
-    with pytest.raises(checkpoints.NoTinyCheckpoint, match="is multimodal") as first:
-        checkpoints.tiny_checkpoint("EctpNoClassMultimodalModel", str(tmp_path), _MultimodalModel)
+    with pytest.raises(tiny.NoTinyCheckpoint, match="is multimodal") as first:
+        tiny.tiny_checkpoint("EctpNoClassMultimodalModel", str(tmp_path), _MultimodalModel)
     assert "has no class 'EctpNoClassMultimodalModel'" in str(first.value)
 
     def again(*args: Any) -> None:
         raise AssertionError("a refused checkpoint was tried again")
 
-    monkeypatch.setattr(checkpoints, "make_tiny_checkpoint", again)
-    with pytest.raises(checkpoints.NoTinyCheckpoint) as second:
-        checkpoints.tiny_checkpoint("EctpNoClassMultimodalModel", str(tmp_path), _MultimodalModel)
+    monkeypatch.setattr(tiny, "make_tiny_checkpoint", again)
+    with pytest.raises(tiny.NoTinyCheckpoint) as second:
+        tiny.tiny_checkpoint("EctpNoClassMultimodalModel", str(tmp_path), _MultimodalModel)
     assert str(second.value) == str(first.value)
-    assert not (tmp_path / checkpoints.CHECKPOINTS_DIR / "EctpNoClassMultimodalModel").exists()
+    assert not (tmp_path / tiny.CHECKPOINTS_DIR / "EctpNoClassMultimodalModel").exists()
 
 
 # --- remote_config: the config fields a vLLM model's source reads, their values, the config module it writes ----
@@ -738,7 +745,7 @@ class Model:
 
 
 def test_config_reads_tells_fields_that_need_a_value_from_those_read_with_a_default() -> None:
-    from pytest_enginecheck.targets.vllm.remote_config import config_reads
+    from pytest_enginecheck.targets.vllm.checkpoints.remote_config import config_reads
 
     reads = config_reads(MODEL_SOURCE)
     # rope_theta: read with a default once and plainly once, so it needs a value; a method (get_text_config) and
@@ -750,8 +757,8 @@ def test_config_reads_tells_fields_that_need_a_value_from_those_read_with_a_defa
 
 
 def test_field_values_give_sizes_and_llama_defaults_and_name_a_field_no_rule_knows() -> None:
-    from pytest_enginecheck.targets.vllm.checkpoints import TINY_SIZES, NoTinyCheckpoint
-    from pytest_enginecheck.targets.vllm.remote_config import ConfigReads, config_reads, field_values
+    from pytest_enginecheck.targets.vllm.checkpoints.remote_config import ConfigReads, config_reads, field_values
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import TINY_SIZES, NoTinyCheckpoint
 
     values = field_values("EctpModel", config_reads(MODEL_SOURCE))
     assert values["hidden_size"] == TINY_SIZES["hidden_size"] and values["num_hidden_layers"] == 2
@@ -767,7 +774,7 @@ def test_field_values_give_sizes_and_llama_defaults_and_name_a_field_no_rule_kno
 
 
 def test_the_remote_config_module_defines_the_model_type_and_its_defaults(tmp_path: Path) -> None:
-    from pytest_enginecheck.targets.vllm.remote_config import (
+    from pytest_enginecheck.targets.vllm.checkpoints.remote_config import (
         AUTO_MAP,
         CLASS_NAME,
         MODULE_FILE,
@@ -811,7 +818,12 @@ def test_the_cpu_mla_backends_float32_refusal_is_a_limit_only_in_its_own_frame()
 
 
 def test_layout_fields_follow_the_tiny_layers_as_the_model_uses_them() -> None:
-    from pytest_enginecheck.targets.vllm.remote_config import SLIDING_WINDOW, ConfigReads, field_values, layout_values
+    from pytest_enginecheck.targets.vllm.checkpoints.remote_config import (
+        SLIDING_WINDOW,
+        ConfigReads,
+        field_values,
+        layout_values,
+    )
 
     fields = frozenset({"layer_group_size", "bskcn_1", "bskcn_3", "interleaved_sliding_window"})
     values = layout_values(4, ["sliding_attention", "full_attention"] * 2, fields)
@@ -826,7 +838,12 @@ def test_layout_fields_follow_the_tiny_layers_as_the_model_uses_them() -> None:
 
 
 def test_a_record_field_reads_by_attribute_and_writes_as_json(tmp_path: Path) -> None:
-    from pytest_enginecheck.targets.vllm.remote_config import CLASS_NAME, DECI_BLOCK, MODULE_FILE, RemoteConfig
+    from pytest_enginecheck.targets.vllm.checkpoints.remote_config import (
+        CLASS_NAME,
+        DECI_BLOCK,
+        MODULE_FILE,
+        RemoteConfig,
+    )
 
     remote = RemoteConfig("DeciLMForCausalLM", "nemotron-nas", {"hidden_size": 64, "block_configs": [DECI_BLOCK] * 2,
                                                                  "rope_parameters": {"rope_theta": 1.0}})
@@ -840,7 +857,7 @@ def test_a_record_field_reads_by_attribute_and_writes_as_json(tmp_path: Path) ->
 
 
 def test_dbrx_gets_the_hub_attention_rope_theta_that_transformers_moved() -> None:
-    from pytest_enginecheck.targets.vllm.checkpoints import tiny_config
+    from pytest_enginecheck.targets.vllm.checkpoints.from_transformers import tiny_config
 
     config = tiny_config("DbrxForCausalLM")
     assert config.attn_config.rope_theta == config.rope_parameters["rope_theta"]
@@ -898,7 +915,7 @@ def test_a_model_only_model_runner_v2_builds_is_a_limit_where_the_model_says_so(
 ])
 def test_vocab_size_is_the_text_decoders_wherever_the_config_keeps_it(tmp_path: Path, config: dict[str, Any],
                                                                         expected: int) -> None:
-    from pytest_enginecheck.targets.vllm.engine import vocab_size
+    from pytest_enginecheck.targets.vllm.checkpoints.reading import vocab_size
 
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert vocab_size(str(tmp_path)) == expected
@@ -909,7 +926,7 @@ def test_vocab_size_is_the_text_decoders_wherever_the_config_keeps_it(tmp_path: 
 def test_mla_is_vllms_deepseek_mla_verdict_unless_bidirectional_disabled_or_the_transformers_backend() -> None:
     from types import SimpleNamespace
 
-    from pytest_enginecheck.targets.vllm.engine import uses_mla
+    from pytest_enginecheck.targets.vllm.engine.dtype import uses_mla
 
     mla = SimpleNamespace(model_type="deepseek_v2", kv_lora_rank=8)
     assert uses_mla(mla, True)
@@ -922,7 +939,7 @@ def test_mla_is_vllms_deepseek_mla_verdict_unless_bidirectional_disabled_or_the_
 
 
 def test_the_tp_comparison_is_skipped_only_off_float32_and_says_why() -> None:
-    from pytest_enginecheck.targets.vllm.checks import tp_comparison_skipped
+    from pytest_enginecheck.targets.vllm.checks.load import tp_comparison_skipped
 
     assert tp_comparison_skipped("LlamaForCausalLM", 2, "float32") is None
     reason = tp_comparison_skipped("DeepseekV2ForCausalLM", 2, "bfloat16")
@@ -940,14 +957,14 @@ def test_an_engine_failure_names_the_dtype_vllm_ran_in() -> None:
 
 
 def test_grouped_expert_routing_left_none_gets_one_group_and_a_set_one_is_kept() -> None:
-    from pytest_enginecheck.targets.vllm.checkpoints import tiny_sizes
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import tiny_sizes
 
     assert tiny_sizes({"n_group": None, "topk_group": None}) == {"n_group": 1, "topk_group": 1}
     assert "n_group" not in tiny_sizes({"n_group": 8, "topk_group": 4})
 
 
 def test_grouped_routing_over_tiny_experts_keeps_groups_that_hold_experts() -> None:
-    from pytest_enginecheck.targets.vllm.checkpoints import TINY_GROUPS, TINY_SIZES, tiny_sizes
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import TINY_GROUPS, TINY_SIZES, tiny_sizes
 
     sizes = tiny_sizes({"num_local_experts": 256, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4})
     assert sizes["n_group"] == TINY_GROUPS["n_group"] and sizes["topk_group"] == TINY_GROUPS["topk_group"]
@@ -957,7 +974,7 @@ def test_grouped_routing_over_tiny_experts_keeps_groups_that_hold_experts() -> N
 
 
 def test_a_dense_layer_count_leaves_one_moe_layer_and_rotary_dim_keeps_its_share_of_the_head() -> None:
-    from pytest_enginecheck.targets.vllm.checkpoints import tiny_sizes
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import tiny_sizes
 
     assert tiny_sizes({"num_hidden_layers": 24, "num_dense_layers": 2})["num_dense_layers"] == 1  # Lfm2-MoE
     assert "num_dense_layers" not in tiny_sizes({"num_hidden_layers": 24, "num_dense_layers": 1})  # kept: 1 of 2
@@ -969,7 +986,7 @@ def test_a_dense_layer_count_leaves_one_moe_layer_and_rotary_dim_keeps_its_share
 
 
 def test_hub_fields_give_the_hub_names_vllm_reads_from_what_transformers_wrote() -> None:
-    from pytest_enginecheck.targets.vllm.checkpoints import hub_fields
+    from pytest_enginecheck.targets.vllm.checkpoints.hub_layout import hub_fields
 
     glm = {"model_type": "glm4_moe", "hidden_size": 64, "num_attention_heads": 2, "partial_rotary_factor": 0.5}
     assert hub_fields(glm) == {"head_dim": 32}
@@ -982,7 +999,7 @@ def test_hub_fields_give_the_hub_names_vllm_reads_from_what_transformers_wrote()
 
 
 def test_what_transformers_writer_gets_wrong_is_repaired_by_name() -> None:
-    from pytest_enginecheck.targets.vllm.checkpoints import written_name, zero_expert_tensors
+    from pytest_enginecheck.targets.vllm.checkpoints.hub_layout import written_name, zero_expert_tensors
 
     assert written_name("model.layers.1.hc_pre.hc_mlp_layer.hc_base", "hy_v4") == \
         "model.layers.1.hc_mlp_layer.hc_pre.hc_base"
@@ -994,7 +1011,7 @@ def test_what_transformers_writer_gets_wrong_is_repaired_by_name() -> None:
 
 
 def test_an_attribute_map_the_model_sets_makes_its_targets_reads() -> None:
-    from pytest_enginecheck.targets.vllm.remote_config import config_reads
+    from pytest_enginecheck.targets.vllm.checkpoints.remote_config import config_reads
 
     source = textwrap.dedent('''
         def build(vllm_config):
@@ -1007,7 +1024,7 @@ def test_an_attribute_map_the_model_sets_makes_its_targets_reads() -> None:
 def test_a_stacking_mapper_names_the_shards_of_a_packed_layer_in_shard_order() -> None:
     from types import SimpleNamespace
 
-    from pytest_enginecheck.targets.vllm.vllm_weights import stacked_shards
+    from pytest_enginecheck.targets.vllm.checkpoints.weight_layout import stacked_shards
 
     # TeleChat2Model's mapper (on the inner model, not the outer one): the hub's query/key/value, gate/up projections
     mapper = SimpleNamespace(orig_to_new_stacked={".value": (".qkv_proj", "v"), ".query": (".qkv_proj", "q"),
@@ -1022,7 +1039,7 @@ def test_a_norm_the_hub_has_in_every_layer_is_added_where_transformers_wrote_non
     import torch
     from safetensors.torch import load_file, save_file
 
-    from pytest_enginecheck.targets.vllm.checkpoints import add_hub_norms
+    from pytest_enginecheck.targets.vllm.checkpoints.hub_layout import add_hub_norms
 
     moe_norm = "model.layers.1.post_mlp_layernorm.weight"  # transformers' AXK1 writes the MoE layer's only
     save_file({moe_norm: torch.full((64,), 2.0)}, str(tmp_path / "model.safetensors"))
@@ -1167,7 +1184,7 @@ class TeleLike(LlamaLike):
 
 
 def test_a_base_class_whose_config_lacks_what_the_subclass_reads_is_foreign(tmp_path: Path) -> None:
-    from pytest_enginecheck.targets.vllm.checkpoints import foreign_base
+    from pytest_enginecheck.targets.vllm.checkpoints.from_transformers import foreign_base
 
     (tmp_path / "enginecheck_foreign_base.py").write_text(FOREIGN_BASE)
     (tmp_path / "enginecheck_foreign_child.py").write_text(FOREIGN_CHILD)
@@ -1192,7 +1209,12 @@ def test_a_base_class_whose_config_lacks_what_the_subclass_reads_is_foreign(tmp_
 # --- the tiny configs of models vLLM builds with MLA attention, and of Isaac's M-RoPE head ---
 
 def test_mla_sizes_read_with_a_default_are_written_and_an_mla_test_or_off_default_is_not() -> None:
-    from pytest_enginecheck.targets.vllm.remote_config import MLA_FIELDS, ConfigReads, _mla_sizes, field_values
+    from pytest_enginecheck.targets.vllm.checkpoints.remote_config import (
+        MLA_FIELDS,
+        ConfigReads,
+        _mla_sizes,
+        field_values,
+    )
 
     # Bailing V2.5/V3: getattr(config, "kv_lora_rank", 512) and the other MLA sizes with defaults; q_lora_rank None
     reads = ConfigReads(frozenset({"hidden_size"}), frozenset({"kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
@@ -1209,13 +1231,13 @@ def test_mla_sizes_read_with_a_default_are_written_and_an_mla_test_or_off_defaul
 def test_lightning_attention_gets_a_head_its_blocks_divide_and_bailing_v3_is_bailing_hybrid() -> None:
     from types import SimpleNamespace
 
-    from pytest_enginecheck.targets.vllm.checkpoints import TINY_SIZES
-    from pytest_enginecheck.targets.vllm.remote_config import (
+    from pytest_enginecheck.targets.vllm.checkpoints.remote_config import (
         LIGHTNING_HEAD_DIM,
         ConfigReads,
         field_values,
         remote_model_type,
     )
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import TINY_SIZES
 
     reads = ConfigReads(frozenset({"hidden_size", "head_dim"}), frozenset())
     assert field_values("BailingMoeV2_5ForCausalLM", reads)["head_dim"] == LIGHTNING_HEAD_DIM
@@ -1228,7 +1250,7 @@ def test_lightning_attention_gets_a_head_its_blocks_divide_and_bailing_v3_is_bai
 
 
 def test_sarvams_head_dim_is_its_mla_head_as_on_the_hub() -> None:
-    from pytest_enginecheck.targets.vllm.checkpoints import hub_fields
+    from pytest_enginecheck.targets.vllm.checkpoints.hub_layout import hub_fields
 
     sarvam = {"model_type": "sarvam_mla", "kv_lora_rank": 512, "qk_rope_head_dim": 64, "hidden_size": 64}
     assert hub_fields(sarvam) == {"head_dim": 576}  # one of the head sizes vLLM's MLA metadata accepts
@@ -1237,7 +1259,7 @@ def test_sarvams_head_dim_is_its_mla_head_as_on_the_hub() -> None:
 def test_isaacs_top_level_head_dim_is_its_text_decoders() -> None:
     from types import SimpleNamespace
 
-    from pytest_enginecheck.targets.vllm.vllm_multimodal import _hub_layout
+    from pytest_enginecheck.targets.vllm.checkpoints.multimodal import _hub_layout
 
     text = SimpleNamespace(head_dim=32)
 
@@ -1259,7 +1281,7 @@ def test_isaacs_top_level_head_dim_is_its_text_decoders() -> None:
 def test_a_model_refers_to_mla_through_its_own_module_or_a_base_class_module() -> None:
     import types
 
-    from pytest_enginecheck.targets.vllm.engine import refers_to_mla
+    from pytest_enginecheck.targets.vllm.engine.dtype import refers_to_mla
 
     base_module = types.ModuleType("enginecheck_mla_base")
     base_module.MultiHeadLatentAttentionWrapper = object  # type: ignore[attr-defined]  # imported from vLLM's mla.py

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pytest_enginecheck.targets.vllm import tokenizer
+from pytest_enginecheck.targets.vllm.checkpoints import tokenizer
 
 pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")

@@ -19,7 +19,7 @@ def _made(workdir: str) -> dict[str, Any]:
 
     from safetensors import safe_open
 
-    from pytest_enginecheck.targets.vllm.checkpoints import make_tiny_checkpoint
+    from pytest_enginecheck.targets.vllm.checkpoints.tiny import make_tiny_checkpoint
 
     made = {}
     for architecture in (VISION, AUDIO):

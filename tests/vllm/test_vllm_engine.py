@@ -18,7 +18,8 @@ def _checkpoints(workdir: str) -> dict[str, Any]:
 
     from safetensors import safe_open
 
-    from pytest_enginecheck.targets.vllm.checkpoints import NoTinyCheckpoint, make_tiny_checkpoint
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import NoTinyCheckpoint
+    from pytest_enginecheck.targets.vllm.checkpoints.tiny import make_tiny_checkpoint
 
     made: dict[str, Any] = {}
     for architecture in FAMILIES:

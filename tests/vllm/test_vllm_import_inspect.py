@@ -17,7 +17,8 @@ def _ctx(workdir: str, architecture: str, check: str) -> CheckContext:
 
 def _verdicts(workdir: str, architectures: list[str]) -> dict[str, tuple[Any, Any, bool]]:
     """Per architecture: (inspect after the import check in ``workdir``, inspect alone, whether a verdict was kept)."""
-    from pytest_enginecheck.targets.vllm.checks import inspection_path, run_import, run_inspect
+    from pytest_enginecheck.targets.vllm.checks.import_check import run_import
+    from pytest_enginecheck.targets.vllm.checks.inspect_check import inspection_path, run_inspect
 
     def inspect(ctx: CheckContext) -> Any:
         try:

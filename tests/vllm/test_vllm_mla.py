@@ -29,9 +29,9 @@ def _run(workdir: str, check: str, tp: int) -> dict[str, Any] | str:
 
 def _dtypes(workdir: str) -> dict[str, str]:
     """engine_dtype of the checker's tiny checkpoints of MLA and DENSE."""
-    from pytest_enginecheck.targets.vllm import registry
-    from pytest_enginecheck.targets.vllm.checkpoints import tiny_checkpoint
-    from pytest_enginecheck.targets.vllm.engine import engine_dtype
+    from pytest_enginecheck.targets.vllm.checkpoints.tiny import tiny_checkpoint
+    from pytest_enginecheck.targets.vllm.describe import registry
+    from pytest_enginecheck.targets.vllm.engine.dtype import engine_dtype
 
     entries = {e.architecture: e for e in registry.list_architectures()}
     dtypes = {}

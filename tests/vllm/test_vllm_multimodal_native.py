@@ -16,12 +16,12 @@ ULTRAVOX = "UltravoxModel"
 def _config(architecture: str) -> Any:
     import json
 
-    from pytest_enginecheck.targets.vllm.checkpoints import NoTinyCheckpoint
-    from pytest_enginecheck.targets.vllm.vllm_multimodal import tiny_multimodal_config
-    from pytest_enginecheck.targets.vllm.vllm_weights import _model_class
+    from pytest_enginecheck.targets.vllm.checkpoints.multimodal import tiny_multimodal_config
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import NoTinyCheckpoint
+    from pytest_enginecheck.targets.vllm.checkpoints.vllm_build import vllm_class
 
     try:
-        return json.loads(tiny_multimodal_config(architecture, _model_class(architecture)).to_json_string())
+        return json.loads(tiny_multimodal_config(architecture, vllm_class(architecture)).to_json_string())
     except NoTinyCheckpoint as e:
         return str(e)
 
@@ -53,7 +53,7 @@ def test_load_tp1_runs_vllms_engine_on_a_multimodal_checkpoint_written_from_vllm
 
     from safetensors import safe_open
 
-    from pytest_enginecheck.targets.vllm.checkpoints import CHECKPOINTS_DIR
+    from pytest_enginecheck.targets.vllm.checkpoints.tiny import CHECKPOINTS_DIR
 
     detail = in_child(load_tp1, str(tmp_path), ULTRAVOX)
     assert isinstance(detail, dict), detail
@@ -75,12 +75,12 @@ def _written(workdir: str, architecture: str) -> tuple[dict[str, Any], dict[str,
 
     from safetensors import safe_open
 
-    from pytest_enginecheck.targets.vllm.checkpoints import make_tiny_checkpoint
-    from pytest_enginecheck.targets.vllm.engine import checkpoint_args
-    from pytest_enginecheck.targets.vllm.vllm_weights import _model_class
+    from pytest_enginecheck.targets.vllm.checkpoints.args import checkpoint_args
+    from pytest_enginecheck.targets.vllm.checkpoints.tiny import make_tiny_checkpoint
+    from pytest_enginecheck.targets.vllm.checkpoints.vllm_build import vllm_class
 
     os.environ["VLLM_PLUGINS"] = "clean"  # not the test site's raising plugins (tests/vllm/plugin_dist.py)
-    path = make_tiny_checkpoint(architecture, Path(workdir) / architecture, _model_class(architecture))
+    path = make_tiny_checkpoint(architecture, Path(workdir) / architecture, vllm_class(architecture))
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
     return json.loads((path / "config.json").read_text()), shapes, checkpoint_args(str(path))
@@ -142,7 +142,7 @@ def test_a_text_decoders_config_gets_its_encoders_as_the_hubs_dicts(in_child: An
 
 
 def _whisper() -> Any:
-    from pytest_enginecheck.targets.vllm.checkpoints import tiny_config
+    from pytest_enginecheck.targets.vllm.checkpoints.from_transformers import tiny_config
 
     return tiny_config("WhisperForConditionalGeneration").to_dict()
 
@@ -155,8 +155,8 @@ def test_an_encoder_decoders_decoder_heads_are_shrunk_with_its_width(in_child: A
 
 
 def _sub_configs(architecture: str) -> tuple[list[str], list[str]]:
-    from pytest_enginecheck.targets.vllm import composite
-    from pytest_enginecheck.targets.vllm.checkpoints import hf_class
+    from pytest_enginecheck.targets.vllm.checkpoints import composite
+    from pytest_enginecheck.targets.vllm.checkpoints.from_transformers import hf_class
 
     defaults = hf_class(architecture).config_class()
     return sorted(composite._sub_configs(defaults)), sorted(type(defaults).sub_configs)

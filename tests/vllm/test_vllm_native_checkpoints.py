@@ -22,7 +22,7 @@ def test_load_tp1_runs_vllms_engine_on_a_checkpoint_written_from_vllms_side(in_c
                                                                             architecture: str) -> None:
     import json
 
-    from pytest_enginecheck.targets.vllm.checkpoints import CHECKPOINTS_DIR
+    from pytest_enginecheck.targets.vllm.checkpoints.tiny import CHECKPOINTS_DIR
 
     detail = in_child(load_tp1, str(tmp_path), architecture)
     assert isinstance(detail, dict), detail
@@ -42,8 +42,9 @@ def _round_trip(workdir: str) -> tuple[str, str, str]:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from pytest_enginecheck.targets.vllm.checkpoints import NoTinyCheckpoint, make_tiny_checkpoint
-    from pytest_enginecheck.targets.vllm.vllm_weights import WEIGHTS_FILE, prove_round_trip
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import NoTinyCheckpoint
+    from pytest_enginecheck.targets.vllm.checkpoints.tiny import make_tiny_checkpoint
+    from pytest_enginecheck.targets.vllm.checkpoints.weight_layout import WEIGHTS_FILE, prove_round_trip
 
     os.environ["VLLM_PLUGINS"] = "clean"
     paths = [make_tiny_checkpoint("ChatGLMModel", Path(workdir) / run) for run in ("a", "b")]
@@ -80,8 +81,8 @@ def _written(workdir: str, architecture: str) -> dict[str, tuple[int, ...]]:
 
     from safetensors import safe_open
 
-    from pytest_enginecheck.targets.vllm.checkpoints import make_tiny_checkpoint
-    from pytest_enginecheck.targets.vllm.vllm_weights import WEIGHTS_FILE, prove_round_trip
+    from pytest_enginecheck.targets.vllm.checkpoints.tiny import make_tiny_checkpoint
+    from pytest_enginecheck.targets.vllm.checkpoints.weight_layout import WEIGHTS_FILE, prove_round_trip
 
     os.environ["VLLM_PLUGINS"] = "clean"
     path = make_tiny_checkpoint(architecture, Path(workdir) / architecture)
@@ -118,7 +119,7 @@ def test_load_tp1_passes_on_the_tiny_checkpoint_of_a_family_rule(in_child: Any, 
                                                                  architecture: str) -> None:
     import json
 
-    from pytest_enginecheck.targets.vllm.checkpoints import CHECKPOINTS_DIR
+    from pytest_enginecheck.targets.vllm.checkpoints.tiny import CHECKPOINTS_DIR
 
     detail = in_child(load_tp1, str(tmp_path), architecture, timeout=480.0)
     assert isinstance(detail, dict), detail

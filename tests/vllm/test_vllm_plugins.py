@@ -17,7 +17,7 @@ def _ctx(workdir: str, name: str, module: str, strict: bool = False) -> CheckCon
 
 
 def _list() -> list[Any]:
-    from pytest_enginecheck.targets.vllm.plugins import list_plugins
+    from pytest_enginecheck.targets.vllm.describe.plugins import list_plugins
 
     return list_plugins()
 
@@ -25,7 +25,7 @@ def _list() -> list[Any]:
 def _check(name: str, workdir: str, strict: bool) -> str:
     """The plugins check of one entry point: "passed" or the failure message."""
     from pytest_enginecheck.checks.plugins_check import run
-    from pytest_enginecheck.targets.vllm.plugins import list_plugins
+    from pytest_enginecheck.targets.vllm.describe.plugins import list_plugins
 
     (entry,) = [e for e in list_plugins() if e.name == name]
     try:

@@ -18,7 +18,7 @@ def test_pack_int4_is_compressed_tensors_layout() -> None:
     import torch
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    from pytest_enginecheck.targets.vllm.quant import pack_int4
+    from pytest_enginecheck.targets.vllm.checkpoints.quantized import pack_int4
 
     q = torch.randint(-8, 8, (64, 96), dtype=torch.int8)
     assert torch.equal(pack_int4(q), pack_to_int32(q, 4, packed_dim=1))
@@ -27,7 +27,7 @@ def test_pack_int4_is_compressed_tensors_layout() -> None:
 def test_quantization_config_is_compressed_tensors_own() -> None:
     from compressed_tensors.quantization import QuantizationConfig
 
-    from pytest_enginecheck.targets.vllm.quant import METHODS
+    from pytest_enginecheck.targets.vllm.checkpoints.quantized import METHODS
 
     for scheme in METHODS.values():
         config = QuantizationConfig.model_validate(scheme.quantization_config())
@@ -58,7 +58,7 @@ def _quant(workdir: str, architecture: str, method: str, tps: tuple[int, ...]) -
 def _needs_kernel(*methods: str) -> None:
     """Skip, naming it, where this CPU's vLLM build lacks a method's kernel (the check then skips:
     test_quant_skips_where_the_cpu_build_lacks_the_kernel)."""
-    from pytest_enginecheck.targets.vllm.quant import missing_kernel
+    from pytest_enginecheck.targets.vllm.checks.quant import missing_kernel
 
     missing = [kernel for method in methods if (kernel := missing_kernel(method)) is not None]
     if missing:
@@ -66,7 +66,7 @@ def _needs_kernel(*methods: str) -> None:
 
 
 def _quant_skip(workdir: str, method: str) -> str:
-    from pytest_enginecheck.targets.vllm.quant import run
+    from pytest_enginecheck.targets.vllm.checks.quant import run
 
     ctx = CheckContext(check="quant", spec="vllm", architecture="LlamaForCausalLM", module="", class_name="",
                        workdir=workdir, tp=1, budget_memory="512MiB", timeout=300.0, quantization=method)
@@ -79,7 +79,7 @@ def _quant_skip(workdir: str, method: str) -> str:
 
 @pytest.mark.parametrize("method", ["int8", "w4a16"])
 def test_quant_skips_where_the_cpu_build_lacks_the_kernel(in_child: Any, tmp_path: Any, method: str) -> None:
-    from pytest_enginecheck.targets.vllm.quant import KERNELS, missing_kernel
+    from pytest_enginecheck.targets.vllm.checks.quant import KERNELS, missing_kernel
 
     if missing_kernel(method) is None:
         pytest.skip(f"this CPU's vLLM build has {KERNELS[method]}: the quant tests below run the check")
@@ -106,10 +106,11 @@ def test_quant_tp1_names_layer1_down_proj_whose_scale_is_5_percent_off(in_child:
 def test_quant_experts_name_layer1_whose_expert2_down_scale_is_5_percent_off(in_child: Any, tmp_path: Any) -> None:
     """The expert oracle (quant_experts) at TP 1 and 2: the planted Mixtral's linear layers and layer 0's experts
     are right, layer 1's expert 2 scales its down projection by 1.05; the items fail naming layer 1's experts."""
-    from pytest_enginecheck.targets.vllm.quant import METHODS, engine_dtype
+    from pytest_enginecheck.targets.vllm.checkpoints.quantized import METHODS
+    from pytest_enginecheck.targets.vllm.checks.quant import scheme_dtype
 
     _needs_kernel("int8")
-    if engine_dtype(METHODS["int8"]) != "bfloat16":
+    if scheme_dtype(METHODS["int8"]) != "bfloat16":
         pytest.skip("vLLM's CPU backend runs int8 MoE experts only with AMX tiles (elsewhere the item skips)")
     results = in_child(_quant, str(tmp_path), "EctpQuantExpertForCausalLM", "int8", (1, 2), timeout=1200.0)
     for tp in (1, 2):
@@ -141,7 +142,8 @@ def test_quant_on_llama_qwen2_and_mixtral(pytester: pytest.Pytester, tmp_path_fa
     equal to deq(W)'s (Llama is also the planted models' clean twin: they subclass it); Mixtral's experts have no MoE
     kernel on vLLM's CPU backend for w4a16, nor for int8 without AMX, so those items skip with vLLM's reason (with AMX
     its int8 experts run and pass the expert oracle)."""
-    from pytest_enginecheck.targets.vllm.quant import METHODS, engine_dtype
+    from pytest_enginecheck.targets.vllm.checkpoints.quantized import METHODS
+    from pytest_enginecheck.targets.vllm.checks.quant import scheme_dtype
 
     _needs_kernel("int8", "w4a16")
     monkeypatch.setenv("VLLM_PLUGINS", "")
@@ -161,7 +163,7 @@ def test_quant_on_llama_qwen2_and_mixtral(pytester: pytest.Pytester, tmp_path_fa
             assert fp8["outcome"] == "skipped" and "not offered by the vLLM target" in fp8["message"], fp8
             for method in ("int8", "w4a16"):
                 item = by_item[arch, f"quant[{method},tp={tp}]"]
-                if arch == "MixtralForCausalLM" and method == "int8" and engine_dtype(METHODS[method]) == "bfloat16":
+                if arch == "MixtralForCausalLM" and method == "int8" and scheme_dtype(METHODS[method]) == "bfloat16":
                     # vLLM 0.32 runs int8 experts on a CPU with AMX: the attention layers are exact, the experts
                     # within the expert oracle's derived bound
                     assert item["outcome"] == "passed", item

@@ -21,8 +21,9 @@ def _rank1_breaks(how: str, workdir: str, timeout: float) -> tuple[str, str, flo
     from vllm.distributed import get_tensor_model_parallel_rank
     from vllm.model_executor.models.llama import LlamaForCausalLM
 
-    from pytest_enginecheck.targets.vllm.checkpoints import make_tiny_checkpoint
-    from pytest_enginecheck.targets.vllm.engine import EngineStartError, run_engine
+    from pytest_enginecheck.targets.vllm.checkpoints.tiny import make_tiny_checkpoint
+    from pytest_enginecheck.targets.vllm.engine.drive import EngineStartError
+    from pytest_enginecheck.targets.vllm.engine.run import run_engine
 
     class EctpRank1BreaksForCausalLM(LlamaForCausalLM):
         def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -52,7 +53,7 @@ def _rank1_breaks(how: str, workdir: str, timeout: float) -> tuple[str, str, flo
 
 def test_a_hung_rank_gives_every_pending_ranks_stacks_within_the_deadline_and_one_grace(in_child: Any,
                                                                                          tmp_path: Any) -> None:
-    from pytest_enginecheck.targets.vllm.engine import SHUTDOWN_GRACE_S
+    from pytest_enginecheck.targets.vllm.engine.ranks import SHUTDOWN_GRACE_S
 
     message, phase, seconds, left = in_child(_rank1_breaks, "hang", str(tmp_path), HANG_TIMEOUT_S, timeout=600.0)
     assert phase == "timeout", message

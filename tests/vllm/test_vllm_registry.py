@@ -17,7 +17,7 @@ def _ctx(workdir: str, architecture: str, check: str = "import", strict: bool = 
 
 
 def _entries() -> dict[str, Any]:
-    from pytest_enginecheck.targets.vllm.registry import list_architectures
+    from pytest_enginecheck.targets.vllm.describe.registry import list_architectures
 
     return {e.architecture: e for e in list_architectures()}
 
@@ -34,7 +34,7 @@ def test_lists_in_tree_plugin_and_class_registered_architectures(in_child: Any) 
 
 
 def _import(workdir: str, architecture: str) -> str:
-    from pytest_enginecheck.targets.vllm.checks import run_import
+    from pytest_enginecheck.targets.vllm.checks.import_check import run_import
 
     try:
         return str(run_import(_ctx(workdir, architecture)))
@@ -57,7 +57,7 @@ def test_cuda_behind_a_two_module_chain_is_blamed_on_its_line(in_child: Any, tmp
 def _inspect_both(workdir: str, architectures: list[str]) -> dict[str, tuple[dict, dict]]:
     import os
 
-    from pytest_enginecheck.targets.vllm.checks import run_inspect
+    from pytest_enginecheck.targets.vllm.checks.inspect_check import run_inspect
     from pytest_enginecheck.targets.vllm.env import redirect_caches
 
     os.environ["VLLM_PLUGINS"] = "clean,class_registered"  # the raising plugin breaks vLLM's subprocess (below)
@@ -79,7 +79,7 @@ def test_fork_inspection_equals_vllms_subprocess(in_child: Any, tmp_path: Any) -
 
 
 def _inspect_subprocess(workdir: str, architecture: str) -> str:
-    from pytest_enginecheck.targets.vllm.checks import run_inspect
+    from pytest_enginecheck.targets.vllm.checks.inspect_check import run_inspect
 
     try:
         return str(run_inspect(_ctx(workdir, architecture, "inspect", inspect_mode="subprocess")))

@@ -30,8 +30,8 @@ class EctpRemoteForCausalLM(InternLM2ForCausalLM):
 
 def test_load_tp1_runs_vllms_engine_on_a_checkpoint_with_the_checkers_remote_config(in_child: Any,
                                                                                     tmp_path: Path) -> None:
-    from pytest_enginecheck.targets.vllm.checkpoints import CHECKPOINTS_DIR
-    from pytest_enginecheck.targets.vllm.remote_config import AUTO_MAP, CLASS_NAME, MODULE_FILE
+    from pytest_enginecheck.targets.vllm.checkpoints.remote_config import AUTO_MAP, CLASS_NAME, MODULE_FILE
+    from pytest_enginecheck.targets.vllm.checkpoints.tiny import CHECKPOINTS_DIR
 
     detail = in_child(load_tp1, str(tmp_path), ARCHITECTURE, timeout=480.0)
     assert isinstance(detail, dict), detail
@@ -50,7 +50,8 @@ def _unknown_field(workdir: str) -> str:
     import importlib
     import sys
 
-    from pytest_enginecheck.targets.vllm.checkpoints import NoTinyCheckpoint, make_tiny_checkpoint
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import NoTinyCheckpoint
+    from pytest_enginecheck.targets.vllm.checkpoints.tiny import make_tiny_checkpoint
 
     (Path(workdir) / "ectp_remote_model.py").write_text(UNKNOWN_MODEL)
     sys.path.insert(0, workdir)
@@ -92,8 +93,8 @@ RULES = {
 def _made(workdir: str, architecture: str) -> dict[str, Any]:
     import os
 
-    from pytest_enginecheck.targets.vllm.checkpoints import make_tiny_checkpoint
-    from pytest_enginecheck.targets.vllm.remote_config import MODULE_FILE
+    from pytest_enginecheck.targets.vllm.checkpoints.remote_config import MODULE_FILE
+    from pytest_enginecheck.targets.vllm.checkpoints.tiny import make_tiny_checkpoint
 
     os.environ["VLLM_PLUGINS"] = "clean"
     path = make_tiny_checkpoint(architecture, Path(workdir) / architecture)

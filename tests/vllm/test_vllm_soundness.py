@@ -44,7 +44,7 @@ def test_load_tp2_passes_the_clean_twin_without_a_diagnosis(in_child: Any, tmp_p
 
 def _captures(tp: int, modules: dict[str, tuple[dict[str, Any], Any, list[Any]]]) -> tuple[Any, list[Any]]:
     """TP=1's and the ranks' RankCaptures of ``{name: (rank layout, TP=1 output, rank outputs)}``, in order."""
-    from pytest_enginecheck.targets.vllm.diagnosis import RankCapture
+    from pytest_enginecheck.targets.vllm.checks.diagnosis import RankCapture
 
     one, ranks = RankCapture(rank=0), [RankCapture(rank=r) for r in range(tp)]
     for name, (layout, full, parts) in modules.items():
@@ -59,7 +59,7 @@ def _captures(tp: int, modules: dict[str, tuple[dict[str, Any], Any, list[Any]]]
 def test_compare_reports_the_modules_it_could_not_compare_before_the_first_that_differs() -> None:
     import torch
 
-    from pytest_enginecheck.targets.vllm.diagnosis import compare
+    from pytest_enginecheck.targets.vllm.checks.diagnosis import compare
 
     x = torch.arange(12.0).reshape(3, 4)
     one, ranks = _captures(2, {
@@ -77,7 +77,7 @@ def test_compare_reports_the_modules_it_could_not_compare_before_the_first_that_
 def test_compare_puts_qkv_back_together_with_its_replicated_kv_heads() -> None:
     import torch
 
-    from pytest_enginecheck.targets.vllm.diagnosis import compare
+    from pytest_enginecheck.targets.vllm.checks.diagnosis import compare
 
     q, k, v = torch.randn(5, 8), torch.randn(5, 2), torch.randn(5, 2)  # 4 query heads, 1 KV head, TP=2
     qkv = {"style": "column", "partitions": [4, 2, 2], "replicas": [1, 2, 2]}
@@ -90,7 +90,7 @@ def test_compare_puts_qkv_back_together_with_its_replicated_kv_heads() -> None:
 def test_compare_tells_a_wrong_collective_from_a_wrong_weight_shard() -> None:
     import torch
 
-    from pytest_enginecheck.targets.vllm.diagnosis import compare
+    from pytest_enginecheck.targets.vllm.checks.diagnosis import compare
 
     x, full = torch.randn(3, 8), torch.randn(3, 4)
     parts = [full / 2, full / 2]  # the ranks' own products add up to TP=1's output ...
@@ -106,12 +106,12 @@ def test_compare_tells_a_wrong_collective_from_a_wrong_weight_shard() -> None:
 
 
 def _strict_import_after_preload(workdir: str, architecture: str, preloaded: list[str], strict_preload: bool) -> str:
-    """The warm parent's preload of ``preloaded`` (targets.vllm.warm, as under --enginecheck-strict or not), then
-    the strict import check of ``architecture``: "passed" or the failure's message."""
+    """The warm parent's preload of ``preloaded`` (targets.vllm.describe.warm, as under --enginecheck-strict or not),
+    then the strict import check of ``architecture``: "passed" or the failure's message."""
     import os
 
-    from pytest_enginecheck.targets.vllm.checks import run_import
-    from pytest_enginecheck.targets.vllm.warm import preload
+    from pytest_enginecheck.targets.vllm.checks.import_check import run_import
+    from pytest_enginecheck.targets.vllm.describe.warm import preload
 
     os.environ["VLLM_PLUGINS"] = "gpu_probe"
     assert preload(preloaded, strict=strict_preload) == preloaded
@@ -149,20 +149,20 @@ def _load_token_only_then_logprobs(workdir: str, architecture: str) -> tuple[Any
     ``workdir``). Each: the passing detail, or (message, detail) of the failure."""
     import os
 
-    from pytest_enginecheck.targets.vllm import checks
+    from pytest_enginecheck.targets.vllm.checks import load
 
     os.environ["VLLM_PLUGINS"] = "clean,scaled_shard"
     ctx = CheckContext(check="load", spec="vllm", architecture=architecture, module="", class_name="",
                        workdir=workdir, tp=2, budget_memory="512MiB", timeout=300.0)
     results = []
-    for tolerance in (float("inf"), checks.LOGPROB_TOLERANCE):
-        checks.LOGPROB_TOLERANCE, kept = tolerance, checks.LOGPROB_TOLERANCE
+    for tolerance in (float("inf"), load.LOGPROB_TOLERANCE):
+        load.LOGPROB_TOLERANCE, kept = tolerance, load.LOGPROB_TOLERANCE
         try:
-            results.append(checks.run_load(ctx))
+            results.append(load.run_load(ctx))
         except CheckFailure as e:
             results.append((e.message, e.detail))
         finally:
-            checks.LOGPROB_TOLERANCE = kept
+            load.LOGPROB_TOLERANCE = kept
     return results[0], results[1]
 
 

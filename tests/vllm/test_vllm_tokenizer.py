@@ -20,9 +20,9 @@ def _tokenizers(workdir: str) -> dict[str, Any]:
     from vllm.tokenizers import get_tokenizer
     from vllm.transformers_utils.processor import get_processor
 
-    from pytest_enginecheck.targets.vllm.checkpoints import make_tiny_checkpoint
-    from pytest_enginecheck.targets.vllm.engine import checkpoint_args
-    from pytest_enginecheck.targets.vllm.tokenizer import TOKENIZER_MARK
+    from pytest_enginecheck.targets.vllm.checkpoints.args import checkpoint_args
+    from pytest_enginecheck.targets.vllm.checkpoints.tiny import make_tiny_checkpoint
+    from pytest_enginecheck.targets.vllm.checkpoints.tokenizer import TOKENIZER_MARK
 
     os.environ["VLLM_PLUGINS"] = "clean"
     paths = {a: make_tiny_checkpoint(a, Path(workdir) / a)

@@ -1,15 +1,15 @@
 """The vLLM target: vLLM's registry, plugins and CPU engine, probed rather than pinned.
 
-- ``probe``: what the installed vLLM offers (registry, ModelInfo builder, inspection subprocess,
-  plugin loader, CPU backend); every touch of a vLLM API goes through it.
-- ``plugins``: vLLM's general plugins, one entry point at a time under the CUDA guard (the target's PluginLoader).
-- ``registry``: every architecture (string- or class-registered), imported and inspected under the guard.
-- ``preload`` / ``warm``: the modules many model modules share, found from the target, preloaded in the warm parent.
-- ``checkpoints``: tiny HF checkpoints from transformers' config classes.
-- ``limits``: the checker's own limits an engine start on a tiny checkpoint can end in (skips naming them).
-- ``engine`` / ``memory`` / ``failures`` / ``diagnosis``: vLLM's own engine on CPU ranks, its per-rank memory, its
-  failures, the first module that differs between TP sizes.
-- ``checks``: the check functions the runner calls for ``--enginecheck-target=vllm``; ``lora``: its lora check.
+Four rooms, each importing only those above it in this list (``tests/test_import_cycles.py`` holds them to it):
+
+- ``probe``, ``env``, ``failures``, ``limits``: the only door to vLLM's API, the CPU engine's environment and
+  arguments, what vLLM raised (by phase and rank) and which of it is the checker's own limit.
+- ``describe/``: what the target is: vLLM's general plugins, every registered architecture, the warm preload.
+- ``checkpoints/``: the tiny-checkpoint factory (shrink rules, transformers' and vLLM's writers, composite,
+  remote-config, tokenizer, quantized twins); it starts no engine.
+- ``engine/``: vLLM's own engine on N CPU ranks (``run.run_engine``), with LoRA requests and worker RPCs as
+  parameters (``drive.EngineWork``); it knows no check.
+- ``checks/``: one module per check (``CHECK_FUNCTIONS``), and the steps they share (``checks.steps``).
 
 Importing this package imports neither torch nor vLLM.
 """
@@ -53,8 +53,8 @@ class VllmTarget(Target):
 
     def offered(self) -> Offer:
         """The engine checks where vLLM can start its CPU engine here (decided without importing vLLM)."""
+        from pytest_enginecheck.targets.vllm.checks.quant import NOT_OFFERED
         from pytest_enginecheck.targets.vllm.probe import cpu_backend_missing
-        from pytest_enginecheck.targets.vllm.quant import NOT_OFFERED
 
         missing = cpu_backend_missing()
         checks = CHECKS if missing else (*CHECKS, *ENGINE_CHECKS)
@@ -64,7 +64,8 @@ class VllmTarget(Target):
 
     def check_settings(self, settings: Settings) -> None:
         """The quant check's methods must be ones the vLLM target knows (quant.METHODS, or NOT_OFFERED: skipped)."""
-        from pytest_enginecheck.targets.vllm.quant import METHODS, NOT_OFFERED
+        from pytest_enginecheck.targets.vllm.checkpoints.quantized import METHODS
+        from pytest_enginecheck.targets.vllm.checks.quant import NOT_OFFERED
 
         unknown = [m for m in settings.quant_methods if m not in (*METHODS, *NOT_OFFERED)]
         if unknown:
@@ -72,10 +73,10 @@ class VllmTarget(Target):
                               f"{', '.join(unknown)} for the vLLM target; choose from {','.join(METHODS)}")
 
     def describe(self, strict: bool = False) -> TargetDescription:
+        from pytest_enginecheck.targets.vllm.describe.plugins import list_plugins, load_plugins
+        from pytest_enginecheck.targets.vllm.describe.registry import list_architectures
         from pytest_enginecheck.targets.vllm.env import output_into
-        from pytest_enginecheck.targets.vllm.plugins import list_plugins, load_plugins
         from pytest_enginecheck.targets.vllm.probe import VllmUnavailable
-        from pytest_enginecheck.targets.vllm.registry import list_architectures
 
         with tempfile.TemporaryFile() as log:  # vLLM's log lines: shown only when describing fails
             try:
@@ -103,7 +104,7 @@ class VllmTarget(Target):
         return CHECK_FUNCTIONS[check]
 
     def plugin_loader(self) -> PluginLoader:
-        from pytest_enginecheck.targets.vllm import plugins
+        from pytest_enginecheck.targets.vllm.describe import plugins
 
         return plugins
 
@@ -115,7 +116,7 @@ class VllmTarget(Target):
     def warm_parent_modules(self, checks: tuple[str, ...], strict: bool = False) -> tuple[str, ...]:
         """``warm``, which imports the preload derived from the target (``preload``, cached on disk) under the guard
         (strict with ``--enginecheck-strict``), and vLLM's ``LLM`` when an engine check runs."""
-        from pytest_enginecheck.targets.vllm.preload import (
+        from pytest_enginecheck.targets.vllm.describe.preload import (
             PRELOAD_STRICT_VARIABLE,
             PRELOAD_VARIABLE,
             preload_modules,
@@ -126,7 +127,7 @@ class VllmTarget(Target):
         if set(checks) & set(ENGINE_CHECKS):
             names.append("vllm.entrypoints.llm")
         os.environ[PRELOAD_VARIABLE] = ",".join([*names, "pytest_enginecheck.targets.vllm.checks"])
-        return ("pytest_enginecheck.targets.vllm.warm",)
+        return ("pytest_enginecheck.targets.vllm.describe.warm",)
 
 
 def target(spec: str) -> VllmTarget:

@@ -1,4 +1,5 @@
-"""The environment vLLM's CPU engine runs under in a check, and where its caches go."""
+"""The environment vLLM's CPU engine runs under in a check, the arguments every start gives it, and where its caches
+go."""
 
 from __future__ import annotations
 
@@ -7,11 +8,17 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 # Cache locations a check run makes vLLM (and libraries it imports) write to: into the session's
 # directory unless the user chose them.
 CACHE_VARIABLES = ("VLLM_CACHE_ROOT", "CUTLASS_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "TORCHINDUCTOR_CACHE_DIR")
 KV_CACHE_GIB = 1  # vLLM's CPU KV cache size (VLLM_CPU_KVCACHE_SPACE) for tiny checkpoints
+MAX_MODEL_LEN = 128
+# vLLM's arguments of every engine start on a tiny checkpoint (and of the config objects its model is built under)
+ENGINE_ARGS: dict[str, Any] = {"skip_tokenizer_init": True, "enforce_eager": True, "dtype": "float32",
+                               "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4,
+                               "max_num_batched_tokens": MAX_MODEL_LEN, "seed": 0}
 
 
 def redirect_caches(workdir: str) -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytest_enginecheck.targets.vllm.engine.drive import EngineStartError, EngineWork, HookedPrefill
+from pytest_enginecheck.targets.vllm.engine.run import run_engine
 from pytest_enginecheck.targets.vllm.probe import VllmUnavailable, sharding_api, worker_model
 from pytest_enginecheck.tp_compare import CallKeys, close, first_tensor, join_split, max_abs_diff, module_name
 
@@ -245,12 +247,11 @@ def compare(one: RankCapture, ranks: list[RankCapture], tp: int) -> str:
 
 def diagnose(ckpt: str, tp: int, prompt: list[int], mode: str = "warm", timeout: float = 120.0) -> str:
     """Run ``prompt`` at TP=1 and TP=``tp`` with hooks and say which module differs first (or why it cannot)."""
-    from pytest_enginecheck.targets.vllm.engine import EngineStartError, run_engine
-
+    work = EngineWork(hooked_prefill=HookedPrefill(prompt, install_hooks, collect))
     try:
         sharding_api()
-        (one,) = run_engine(ckpt, 1, mode, timeout=timeout, capture_prompt=prompt).captures
-        ranks = run_engine(ckpt, tp, mode, timeout=timeout, capture_prompt=prompt).captures
+        (one,) = run_engine(ckpt, 1, mode, timeout=timeout, work=work).captures
+        ranks = run_engine(ckpt, tp, mode, timeout=timeout, work=work).captures
     except VllmUnavailable as e:
         return f"No diagnosis: {e}."
     except EngineStartError as e:

@@ -8,8 +8,8 @@ left for the checks of its importers to blame. Nothing here is a hand-kept list.
 
 The warm parent's preload must be known before it starts, and deriving it imports model modules
 (which the warm parent must never hold), so ``preload_modules`` derives it in a fresh interpreter
-(``python -m pytest_enginecheck.targets.vllm.preload``, ~16 s) and caches the answer on disk under
-``cache_key()``; ``pytest_enginecheck.targets.vllm.warm`` imports it in the warm parent.
+(``python -m pytest_enginecheck.targets.vllm.describe.preload``, ~16 s) and caches the answer on disk under
+``cache_key()``; ``pytest_enginecheck.targets.vllm.describe.warm`` imports it in the warm parent.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from types import ModuleType
 
 from pytest_enginecheck.guard import CudaGuard
 from pytest_enginecheck.targets.preloading import derived_names
-from pytest_enginecheck.targets.vllm.registry import list_architectures
+from pytest_enginecheck.targets.vllm.describe.registry import list_architectures
 
-PRELOAD_VARIABLE = "ENGINECHECK_VLLM_PRELOAD"  # the warm parent's preload, read by targets.vllm.warm
+PRELOAD_VARIABLE = "ENGINECHECK_VLLM_PRELOAD"  # the warm parent's preload, read by describe.warm
 PRELOAD_STRICT_VARIABLE = "ENGINECHECK_VLLM_PRELOAD_STRICT"  # "1": preload under the strict guard
 
 

@@ -5,7 +5,7 @@ The adapter is PEFT's own (``get_peft_model`` on the transformers model of the t
 a fixed seed, ``save_pretrained``), on every linear projection of the decoder layers that transformers has as an
 ``nn.Linear`` outside the MoE experts (``target_modules``; for Llama and Qwen2 attention and MLP), and vLLM wraps
 only those (``lora_target_modules``). One vLLM start per TP size generates the fixed prompts with the adapter and
-without it (``engine.LORA_ADAPTER``).
+without it (``EngineWork.lora_adapter``).
 
 - every TP size: the adapter changes the output (else vLLM's LoRA layers are not applied);
 - TP=1: the base model's and the adapter's greedy tokens and log-probabilities equal transformers' (+ PEFT's),
@@ -26,6 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
+from pytest_enginecheck.targets.vllm.checks.load import LOGPROB_TOLERANCE, logprob_difference
+from pytest_enginecheck.targets.vllm.checks.steps import (
+    engine_checkpoint,
+    model_class,
+    registry_entry,
+    shared_run,
+    verify_tp,
+)
+from pytest_enginecheck.targets.vllm.engine.drive import EngineWork
 from pytest_enginecheck.targets.vllm.probe import VllmUnavailable, find
 
 LORA_RANK = 8  # one of vLLM's max_lora_rank values (1, 8, 16, 32, 64, ...)
@@ -41,12 +50,6 @@ LORA_ENGINE_ARGS: dict[str, Any] = {"enable_lora": True, "max_lora_rank": LORA_R
 # tests/vllm/test_vllm_lora.py holds both ends. (TP=N against TP=1 uses load's LOGPROB_TOLERANCE: measured 1.4e-6.)
 ORACLE_TOLERANCE = 1e-4
 SUPPORTS_LORA = (("vllm.model_executor.models.interfaces", "supports_lora"),)
-LORA_REQUEST = (("vllm.lora.request", "LoRARequest"),)
-
-
-def lora_request(adapter: str) -> Any:
-    """vLLM's LoRARequest for the adapter directory ``adapter`` (one adapter, id 1)."""
-    return find(LORA_REQUEST, "the lora check asks for its adapter with")("enginecheck", 1, adapter)
 
 
 def target_modules(model: Any) -> list[str]:
@@ -76,7 +79,7 @@ def _without_progress_bar() -> Iterator[None]:
 def _transformers_model(ckpt: str, architecture: str, model_cls: type) -> Any:
     import torch
 
-    from pytest_enginecheck.targets.vllm.checkpoints import hf_class
+    from pytest_enginecheck.targets.vllm.checkpoints.from_transformers import hf_class
 
     with _without_progress_bar():
         return hf_class(architecture, model_cls).from_pretrained(ckpt, dtype=torch.float32).eval()
@@ -107,7 +110,7 @@ def make_adapter(ckpt: str, architecture: str, model_cls: type, path: Path) -> l
 
 def tiny_adapter(ctx: CheckContext, ckpt: str, model_cls: type) -> Path:
     """The architecture's tiny adapter under the session's workdir, made once (``checkpoints.made_once``)."""
-    from pytest_enginecheck.targets.vllm.checkpoints import made_once
+    from pytest_enginecheck.targets.vllm.checkpoints.tiny import made_once
 
     return made_once(Path(ctx.workdir) / "vllm-lora" / ctx.architecture, "adapter_config.json",
                      lambda tmp: make_adapter(ckpt, ctx.architecture, model_cls, tmp))
@@ -121,7 +124,8 @@ def oracle_difference(ckpt: str, architecture: str, model_cls: type, adapter: Pa
     ORACLE_TOLERANCE below transformers' largest) is reported as such, with its shortfall as the difference."""
     import torch
 
-    from pytest_enginecheck.targets.vllm.engine import prompts, vocab_size
+    from pytest_enginecheck.targets.vllm.checkpoints.reading import vocab_size
+    from pytest_enginecheck.targets.vllm.engine.drive import prompts
 
     model = _transformers_model(ckpt, architecture, model_cls)
     if adapter is not None:
@@ -167,13 +171,11 @@ def moe_lora_limit(failure: CheckFailure) -> str | None:
             "triton_moe.py; vLLM picks it for every MoE model with LoRA on), and vLLM's CPU backend has no Triton")
 
 
-def _lora_run(ctx: CheckContext, ckpt: str, tp: int, mode: str, engine_args: dict[str, Any]) -> Any:
+def _lora_run(ctx: CheckContext, ckpt: str, tp: int, mode: str, engine_args: dict[str, Any], adapter: Path) -> Any:
     """The architecture's LoRA start at ``tp`` (shared by lora[tp=1] and lora[tp=N]); vLLM's CPU MoE + LoRA limit
     (moe_lora_limit) a CheckSkip saying so."""
-    from pytest_enginecheck.targets.vllm import checks
-
     try:
-        return checks._shared_run(ctx, ckpt, tp, mode, engine_args, kind="lora")
+        return shared_run(ctx, ckpt, tp, mode, engine_args, kind="lora", work=EngineWork(lora_adapter=str(adapter)))
     except CheckFailure as failure:
         limit = moe_lora_limit(failure)
         if limit is None:
@@ -194,25 +196,22 @@ def run(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
     """lora[tp=N] (see the module docstring)."""
     from importlib.util import find_spec
 
-    from pytest_enginecheck.targets.vllm import checks
-    from pytest_enginecheck.targets.vllm.engine import LORA_ADAPTER
-
-    model_cls = checks._model_class(ctx, checks._entry(ctx))
+    model_cls = model_class(ctx, registry_entry(ctx))
     if not _supports_lora(model_cls):
         raise CheckSkip(f"{ctx.architecture} does not declare SupportsLoRA, so vLLM refuses enable_lora for it")
     if find_spec("peft") is None:
         raise CheckSkip("peft is not installed here: the lora check makes its adapter with PEFT and compares with "
                         "transformers + PEFT (pip install peft)")
-    ckpt = checks._checkpoint(ctx)
-    checks._verify_tp(ckpt, ctx.tp)
+    ckpt = engine_checkpoint(ctx)
+    verify_tp(ckpt, ctx.tp)
     adapter = tiny_adapter(ctx, ckpt, model_cls)
     import json
 
     targets = json.loads((adapter / "adapter_config.json").read_text())["target_modules"]
     # vLLM wraps only the adapter's modules (lora_target_modules): else it wraps the MoE experts too, whose LoRA
     # kernels are Triton's, which vLLM 0.32's CPU backend does not have.
-    engine_args = {**LORA_ENGINE_ARGS, "lora_target_modules": sorted(targets), LORA_ADAPTER: str(adapter)}
-    run = _lora_run(ctx, ckpt, ctx.tp, mode, engine_args)
+    engine_args = {**LORA_ENGINE_ARGS, "lora_target_modules": sorted(targets)}
+    run = _lora_run(ctx, ckpt, ctx.tp, mode, engine_args, adapter)
     detail: dict[str, Any] = {"tensor_parallel_size": ctx.tp, "max_lora_rank": LORA_RANK, "adapter": str(adapter),
                               "target_modules": sorted(targets),
                               "tokens": run.lora_tokens, "base_tokens": run.tokens, "seconds": run.seconds}
@@ -221,7 +220,7 @@ def run(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
         raise CheckSkip(f"vLLM returned no log-probabilities ({run.logprobs_unavailable or 'none returned'}), which "
                         f"the lora check compares")
     applied = (run.lora_tokens != run.tokens
-               or checks.logprob_difference(run.lora_logprobs, run.logprobs)[0] > checks.LOGPROB_TOLERANCE)
+               or logprob_difference(run.lora_logprobs, run.logprobs)[0] > LOGPROB_TOLERANCE)
     if not applied:
         raise CheckFailure(f"{at} generates the same tokens and log-probabilities with a LoRA adapter as without it: "
                            f"vLLM's LoRA layers are not applied. Check that the model calls the layers vLLM's LoRA "
@@ -229,7 +228,7 @@ def run(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
                            {**detail, "kind": "lora_not_applied"})
     if ctx.tp == 1:
         return _against_transformers(ctx, ckpt, model_cls, adapter, run, detail)
-    reference = _lora_run(ctx, ckpt, 1, mode, engine_args)
+    reference = _lora_run(ctx, ckpt, 1, mode, engine_args, adapter)
     detail["reference_tokens"] = reference.lora_tokens
     mismatched = [i for i, (a, b) in enumerate(zip(run.lora_tokens, reference.lora_tokens, strict=True)) if a != b]
     if mismatched:
@@ -242,13 +241,13 @@ def run(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
             f"{at} generates other greedy tokens than at tensor_parallel_size=1 with a LoRA adapter (prompt {i}: "
             f"{run.lora_tokens[i]} vs {reference.lora_tokens[i]}) and without it too: see load[tp={ctx.tp}].",
             {**detail, "kind": "tp_mismatch"})
-    difference, i, j = checks.logprob_difference(run.lora_logprobs, reference.lora_logprobs)
-    detail.update(max_logprob_difference=difference, logprob_tolerance=checks.LOGPROB_TOLERANCE)
-    if difference > checks.LOGPROB_TOLERANCE:
+    difference, i, j = logprob_difference(run.lora_logprobs, reference.lora_logprobs)
+    detail.update(max_logprob_difference=difference, logprob_tolerance=LOGPROB_TOLERANCE)
+    if difference > LOGPROB_TOLERANCE:
         raise CheckFailure(
             f"{at} with a LoRA adapter generates the same greedy tokens but other log-probabilities than at "
             f"tensor_parallel_size=1 (float32): max difference {difference:.3g} at prompt {i}, generated token "
-            f"{j - 1}, above tolerance {checks.LOGPROB_TOLERANCE:g}: the adapter's A or B is sharded unlike its base "
+            f"{j - 1}, above tolerance {LOGPROB_TOLERANCE:g}: the adapter's A or B is sharded unlike its base "
             f"layer, or its partial products are reduced wrongly.", {**detail, "kind": "tp_mismatch"})
     return detail
 
@@ -256,7 +255,7 @@ def run(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
 def _against_transformers(ctx: CheckContext, ckpt: str, model_cls: type, adapter: Path, run: Any,
                           detail: dict[str, Any]) -> dict[str, Any]:
     """TP=1: the base model against transformers, then the adapter against transformers + PEFT."""
-    from pytest_enginecheck.targets.vllm.checkpoints import hf_class
+    from pytest_enginecheck.targets.vllm.checkpoints.from_transformers import hf_class
 
     hf = f"transformers' {hf_class(ctx.architecture, model_cls).__name__}"
     base = oracle_difference(ckpt, ctx.architecture, model_cls, None, run.tokens, run.logprobs)

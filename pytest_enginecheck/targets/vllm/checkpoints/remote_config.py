@@ -27,7 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pytest_enginecheck.targets.vllm.checkpoints import TINY_SIZES, NoTinyCheckpoint
+from pytest_enginecheck.targets.vllm.checkpoints.shrink import (
+    TINY_SIZES,
+    NoTinyCheckpoint,
+)
 
 MODULE_FILE = "configuration_enginecheck.py"
 CLASS_NAME = "EnginecheckConfig"
@@ -207,9 +210,9 @@ def _imported_layers(modules: list[Any]) -> list[type]:
 def model_config_reads(model_cls: type) -> ConfigReads:
     """The config fields read by the modules of vLLM's ``model_cls`` and of its nn.Module bases, and by the classes
     of vLLM's other model modules they import (``_imported_layers``)."""
-    from pytest_enginecheck.targets.vllm.vllm_weights import _model_modules
+    from pytest_enginecheck.targets.vllm.checkpoints.remote_config import model_modules as model_modules
 
-    modules = _model_modules(model_cls)
+    modules = model_modules(model_cls)
     sources = [inspect.getsource(m) for m in modules]
     sources += [textwrap.dedent(inspect.getsource(c)) for c in _imported_layers(modules)]
     reads = [config_reads(source) for source in sources]
@@ -243,9 +246,8 @@ def field_values(architecture: str, reads: ConfigReads, leave_off: bool = False)
     """A value for each field of ``reads.required`` (and ENGINE_FIELDS) by the rules of the module docstring, and
     for the optional and off fields a rule knows (the off fields left out with ``leave_off``). NoTinyCheckpoint
     naming the required fields no rule knows."""
-    from pytest_enginecheck.targets.vllm.checkpoints import tiny_sizes
-    from pytest_enginecheck.targets.vllm.composite import ENCODER_SIZES
-    from pytest_enginecheck.targets.vllm.vllm_weights import VLLM_CONFIG_SIZES
+    from pytest_enginecheck.targets.vllm.checkpoints.composite import ENCODER_SIZES
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import VLLM_CONFIG_SIZES, tiny_sizes
 
     wanted = (reads.required | frozenset(ENGINE_FIELDS)) - (reads.off if leave_off else frozenset())
     optional = reads.optional | (frozenset() if leave_off else reads.off - wanted)
@@ -358,3 +360,14 @@ def engine_args(ckpt: str | Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return {"trust_remote_code": True} if is_remote_config(config) and (path / MODULE_FILE).is_file() else {}
+
+
+def model_modules(model_cls: type) -> list[Any]:
+    """The modules of the model class and of its nn.Module bases (where vLLM's model code imports its config)."""
+    import inspect
+
+    import torch
+
+    modules = [inspect.getmodule(c) for c in model_cls.__mro__
+               if issubclass(c, torch.nn.Module) and not c.__module__.startswith("torch.")]
+    return list(dict.fromkeys(m for m in modules if m is not None))

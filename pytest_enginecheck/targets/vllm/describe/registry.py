@@ -14,7 +14,7 @@ from typing import Any
 
 from pytest_enginecheck.guard import CudaAccess, CudaGuard
 from pytest_enginecheck.targets.vllm import ENGINE_PACKAGES
-from pytest_enginecheck.targets.vllm.plugins import load_plugins
+from pytest_enginecheck.targets.vllm.describe.plugins import load_plugins
 from pytest_enginecheck.targets.vllm.probe import probe
 
 

@@ -24,8 +24,8 @@ import copy
 import json
 from typing import Any
 
-from pytest_enginecheck.targets.vllm import composite
-from pytest_enginecheck.targets.vllm.checkpoints import NoTinyCheckpoint, tiny_text_config
+from pytest_enginecheck.targets.vllm.checkpoints import composite
+from pytest_enginecheck.targets.vllm.checkpoints.shrink import NoTinyCheckpoint, tiny_text_config
 
 # Size fields of vLLM's own encoder configs, where a sub-config has them: DeepseekVLV2's VisionEncoderConfig
 # (width, layers, heads) and MlpProjectorConfig (its depth: ENCODER_SIZES), Moondream3's vision config (enc_*).
@@ -33,7 +33,6 @@ VLLM_ENCODER_SIZES: dict[str, int] = {
     "width": 64, "layers": 2, "heads": 2,
     "enc_dim": 64, "enc_n_layers": 2, "enc_ff_dim": 128, "enc_n_heads": 2, "proj_inner_dim": 128,
 }
-
 # Fields of the hub checkpoints that vLLM's model reads and its config class defaults to None or lacks, by model_type:
 # sub-config name ("" for the top level) -> field -> value. FunAudioChat's discrete audio encoder embeds
 # ``codebook_size`` tokens padded at ``pad_token_id`` (the tower is built before language_model_only drops it).
@@ -92,7 +91,7 @@ TEXT_FIELDS_AT_TOP: dict[str, tuple[str, ...]] = {"ultravox": ("vocab_size",), "
 
 def _text_config(config_cls: type, defaults: Any) -> Any:
     """The text sub-config shrunk by the text decoders' rules, with the size names of vLLM's own configs."""
-    from pytest_enginecheck.targets.vllm.vllm_weights import VLLM_CONFIG_SIZES
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import VLLM_CONFIG_SIZES
 
     return tiny_text_config(config_cls, defaults, {**VLLM_CONFIG_SIZES, **VLLM_TEXT_SIZES})
 
@@ -132,11 +131,11 @@ class HubLayoutConfig:
 
 def _hub_layout(architecture: str, model_type: str, config: Any) -> dict[str, Any]:
     """``config``'s config.json in the hub checkpoint's layout: sub-configs under SUB_CONFIG_KEYS, HUB_FIELDS (and the
-    text decoders', ``vllm_weights.HUB_FIELDS``), ENCODER_FIELDS and TEXT_FIELDS_AT_TOP set."""
-    from pytest_enginecheck.targets.vllm import vllm_weights
+    text decoders', ``vllm_configs.HUB_FIELDS``), ENCODER_FIELDS and TEXT_FIELDS_AT_TOP set."""
+    from pytest_enginecheck.targets.vllm.checkpoints import vllm_configs
 
     saved: dict[str, Any] = json.loads(config.to_json_string(use_diff=False))
-    saved.update({**vllm_weights.HUB_FIELDS.get(model_type, {}), **ENCODER_FIELDS.get(architecture, {})})
+    saved.update({**vllm_configs.HUB_FIELDS.get(model_type, {}), **ENCODER_FIELDS.get(architecture, {})})
     for name, key in SUB_CONFIG_KEYS.get(model_type, {}).items():
         saved[key] = json.loads(getattr(config, name).to_json_string(use_diff=False))
         saved.pop(name, None)
@@ -171,7 +170,7 @@ def _read_back(model_type: str, config_cls: type, config: Any, saved: dict[str, 
 def tiny_multimodal_config(architecture: str, model_cls: type) -> HubLayoutConfig:
     """The tiny composite config vLLM parses multimodal ``architecture``'s checkpoint with (the module docstring);
     NoTinyCheckpoint naming the reason where there is none."""
-    from pytest_enginecheck.targets.vllm.vllm_weights import vllm_config_class
+    from pytest_enginecheck.targets.vllm.checkpoints.vllm_configs import vllm_config_class
 
     model_type, config_cls = vllm_config_class(architecture, model_cls)
     try:

@@ -115,7 +115,7 @@ def _rebuilt(config: Any, sizes: dict[str, Any], subs: dict[str, Any] | None = N
     """``config``'s class built from ``config``'s own values (less ``exclude``) with ``sizes`` (and the tiny
     sub-configs ``subs``, by constructor keyword) over them, so its validators run; NoTinyCheckpoint where they
     refuse."""
-    from pytest_enginecheck.targets.vllm.checkpoints import NoTinyCheckpoint
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import NoTinyCheckpoint
 
     subs = subs or {}
     values = {k: v for k, v in config.to_diff_dict().items()

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pytest_enginecheck.targets.vllm.checkpoints.vllm_build import meta_model
+
 
 @dataclass(frozen=True)
 class RankMemory:
@@ -68,43 +70,6 @@ def activation_peak(fn: Any, existing: Any = ()) -> int:
     return tracker.peak_bytes
 
 
-def _meta_model(vllm_config: Any) -> Any:
-    """vLLM's model for this rank on the meta device; its layers leave vLLM's forward context as found.
-
-    A constructor that reads a value of a tensor it made (vLLM's XIELU: ``beta.item()``; FireRedASR2's positional
-    encoding, where torch raises a RuntimeError) cannot run on the meta device: that copy is built on the CPU instead
-    (the same shapes, the tiny checkpoint's few MiB allocated). The rank built the same model on the CPU a moment
-    before, so any other error is the model's own."""
-    from pytest_enginecheck.targets.vllm.probe import model_initializer
-
-    try:
-        return _built_model(model_initializer(), vllm_config, "meta")
-    except (NotImplementedError, RuntimeError) as e:
-        if "meta tensor" not in str(e):
-            raise
-        return _built_model(model_initializer(), vllm_config, "cpu")
-
-
-def _built_model(initialize_model: Any, vllm_config: Any, device: str) -> Any:
-    """The model built on ``device`` in the engine's dtype (vLLM's loader builds it under that default dtype, so
-    a bfloat16 engine's weights are counted at 2 bytes, not at float32's 4), with a forward context of its own: its
-    layers register there, not beside the rank's (a model that names its layers without the prefix it is given, as
-    Zamba2's mamba layers, would collide: "Duplicate layer name: 1.mixer")."""
-    import torch
-
-    compilation = vllm_config.compilation_config
-    context = compilation.static_forward_context
-    compilation.static_forward_context = {}
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(vllm_config.model_config.dtype)
-    try:
-        with torch.device(device):
-            return initialize_model(vllm_config=vllm_config, prefix="enginecheck_meta")
-    finally:
-        torch.set_default_dtype(default_dtype)
-        compilation.static_forward_context = context
-
-
 def _bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -112,7 +77,7 @@ def _bytes(tensors: Any) -> int:
 def rank_memory(worker: Any) -> dict[str, Any]:
     """Run on each vLLM worker (``LLM.collective_rpc``): that rank's RankMemory as a dict."""
     runner = worker.model_runner
-    model = _meta_model(worker.vllm_config)
+    model = meta_model(worker.vllm_config)
     spec = worker.get_kv_cache_spec()
     one_request = sum(s.max_memory_usage_bytes(worker.vllm_config) for s in spec.values())
     kv_caches = _flat(runner.kv_caches)

@@ -141,8 +141,8 @@ def write_whisper_processor(path: Path, config: Mapping[str, Any]) -> None:
 def write_tokenizer_if_needed(architecture: str, path: Path, model_cls: type | None) -> str | None:
     """Write the tiny tokenizer into the checkpoint at ``path`` (its config.json written) where vLLM needs one
     (``tokenizer_reason``), with TOKENIZER_MARK holding the reason; the reason, or None where none is written."""
-    from pytest_enginecheck.targets.vllm import composite
-    from pytest_enginecheck.targets.vllm.engine import vocab_size
+    from pytest_enginecheck.targets.vllm.checkpoints import composite
+    from pytest_enginecheck.targets.vllm.checkpoints.reading import vocab_size
     from pytest_enginecheck.targets.vllm.probe import probe
 
     config = json.loads((path / "config.json").read_text())
@@ -162,7 +162,7 @@ def write_tokenizer_if_needed(architecture: str, path: Path, model_cls: type | N
 
 def _vllm_class(architecture: str) -> type | None:
     """vLLM's registered class of ``architecture`` (None where it cannot be imported)."""
-    from pytest_enginecheck.targets.vllm import registry
+    from pytest_enginecheck.targets.vllm.describe import registry
 
     entry = next((e for e in registry.list_architectures() if e.architecture == architecture), None)
     return registry.import_model_class(entry).model_cls if entry is not None else None

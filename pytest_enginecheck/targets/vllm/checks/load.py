@@ -1,0 +1,99 @@
+"""load[tp=N] on vLLM: it builds, loads and generates at TP=N, and TP=N agrees with TP=1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
+from pytest_enginecheck.targets.vllm.checks.steps import apart, engine_inputs, shared_run, verify_tp
+from pytest_enginecheck.targets.vllm.engine.dtype import MLA_DTYPE
+from pytest_enginecheck.targets.vllm.env import ENGINE_ARGS
+
+
+def _diagnosis(ctx: CheckContext, ckpt: str, i: int, mode: str) -> str:
+    """Which module of vLLM's model differs first at TP=N on prompt ``i`` (diagnosis.py); run only on a mismatch."""
+    from pytest_enginecheck.targets.vllm.checkpoints.reading import vocab_size
+    from pytest_enginecheck.targets.vllm.checks.diagnosis import diagnose
+    from pytest_enginecheck.targets.vllm.engine.drive import prompts
+
+    return diagnose(ckpt, ctx.tp, prompts(vocab_size(ckpt))[i], mode, timeout=max(10.0, ctx.timeout * 0.4))
+
+
+# How far TP=N's log-probabilities may be from TP=1's (float32 CPU). A clean model's differ only by summation order
+# (each rank sums its shard, then the all-reduce sums the ranks): measured at TP=2 on the tiny checkpoints, at most
+# 9.5e-7 for Llama and Qwen2 and 4.8e-7 for Mixtral, i.e. 1-2 float32 ulps of a log-probability near
+# log(1/256) = -5.5. The tolerance sits 100x above that, and 15x below what the subtlest planted sharding bug
+# gives (layer 1's o_proj with rank 1's shard scaled by 1.01: 1.6e-3; every greedy token unchanged); a wrong shard
+# offset moves them by 1e-2 and more. tests/vllm/test_vllm_soundness.py holds both ends.
+LOGPROB_TOLERANCE = 1e-4
+
+
+def logprob_difference(run: list[list[dict[str, float]]],
+                       reference: list[list[dict[str, float]]]) -> tuple[float, int, int]:
+    """The largest |log p(TP=N) - log p(TP=1)| over the tokens both runs report at a position, and where:
+    (difference, prompt, position in the prompt + generated sequence)."""
+    worst = (0.0, 0, 0)
+    for i, (got, want) in enumerate(zip(run, reference, strict=True)):
+        for j, (a, b) in enumerate(zip(got, want, strict=True), start=1):  # position 0 predicts nothing
+            for token in a.keys() & b.keys():  # the actual token is in both, so never empty
+                if abs(a[token] - b[token]) > worst[0]:
+                    worst = (abs(a[token] - b[token]), i, j)
+    return worst
+
+
+def tp_comparison_skipped(architecture: str, tp: int, dtype: str) -> str | None:
+    """Why load[tp=N] does not compare TP=N's tokens and log-probabilities to TP=1's for a model vLLM runs in
+    ``dtype`` here, after TP=N built, loaded and generated; None where it compares them (float32)."""
+    if dtype == ENGINE_ARGS["dtype"]:
+        return None
+    return (f"{architecture} built, loaded and generated at tensor_parallel_size={tp} ({dtype}), but its tokens and "
+            f"log-probabilities are not compared to tensor_parallel_size=1's: that comparison's bound "
+            f"(LOGPROB_TOLERANCE {LOGPROB_TOLERANCE:g}) is derived for float32, and vLLM builds this model with MLA "
+            f"attention, whose CPU backend (attention/backends/mla/amx_mla.py) runs only {MLA_DTYPE}, where "
+            f"rounding alone can move log-probabilities past that bound and flip near-tie greedy tokens")
+
+
+def run_load(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
+    """load[tp=N]: vLLM builds, loads and generates at TP=N, and its greedy tokens equal TP=1's and its
+    log-probabilities (top-k of every prompt and generated position) TP=1's within LOGPROB_TOLERANCE (float32).
+    A model vLLM runs in bfloat16 (MLA attention, ``engine.engine_dtype``) is not compared: a CheckSkip saying why
+    (``tp_comparison_skipped``), once TP=N ran."""
+    ckpt, args = apart(ctx, engine_inputs)
+    verify_tp(ckpt, ctx.tp)
+    run = shared_run(ctx, ckpt, ctx.tp, mode, args)
+    dtype = args["dtype"]
+    detail = {"tensor_parallel_size": ctx.tp, "dtype": dtype, "tokens": run.tokens, "seconds": run.seconds,
+              "start_mode": run.mode}
+    if ctx.tp == 1:
+        return detail
+    skipped = tp_comparison_skipped(ctx.architecture, ctx.tp, dtype)
+    if skipped:
+        raise CheckSkip(skipped)
+    reference = shared_run(ctx, ckpt, 1, mode, args)
+    for i, (got, want) in enumerate(zip(run.tokens, reference.tokens, strict=True)):
+        if got != want:
+            position = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                            min(len(got), len(want)))
+            diagnosis = _diagnosis(ctx, ckpt, i, mode)
+            raise CheckFailure(
+                f"{ctx.architecture} at tensor_parallel_size={ctx.tp} generates other greedy tokens than at "
+                f"tensor_parallel_size=1 ({dtype}): prompt {i} differs from token {position} on (TP={ctx.tp}: {got}, "
+                f"TP=1: {want}). "
+                f"{diagnosis}",
+                {**detail, "kind": "tp_mismatch", "reference_tokens": reference.tokens, "diagnosis": diagnosis})
+    if not (run.logprobs and reference.logprobs):
+        detail["logprobs_not_compared"] = run.logprobs_unavailable or reference.logprobs_unavailable or "none returned"
+        return detail
+    difference, i, j = logprob_difference(run.logprobs, reference.logprobs)
+    detail.update(max_logprob_difference=difference, logprob_tolerance=LOGPROB_TOLERANCE)
+    if difference > LOGPROB_TOLERANCE:
+        diagnosis = _diagnosis(ctx, ckpt, i, mode)
+        prompt_length = len(reference.logprobs[i]) + 1 - len(reference.tokens[i])
+        where = "a prompt token" if j < prompt_length else f"generated token {j - prompt_length}"
+        raise CheckFailure(
+            f"{ctx.architecture} at tensor_parallel_size={ctx.tp} generates the same greedy tokens but other "
+            f"log-probabilities than at tensor_parallel_size=1 ({dtype}): max difference {difference:.3g} at prompt "
+            f"{i}, position {j} ({where}), above tolerance {LOGPROB_TOLERANCE:g}. {diagnosis}",
+            {**detail, "kind": "tp_mismatch", "prompt": i, "position": j, "diagnosis": diagnosis})
+    return detail
