@@ -87,10 +87,12 @@ def no_cuda_reason() -> str | None:
 def import_check(workdir: str, arch: str, strict: bool) -> Any:
     from pytest_enginecheck.checks import CheckContext
     from pytest_enginecheck.checks.runner import run_check
+    from pytest_enginecheck.settings import Settings
 
     module, class_name = MODELS[arch].split(":")
     return run_check(CheckContext(check="import", spec="gpu_check_zoo:MODELS", architecture=arch, module=module,
-                                  class_name=class_name, workdir=workdir, strict=strict, timeout=120.0))
+                                  class_name=class_name, workdir=workdir,
+                                  options=Settings(strict=strict, timeout=120.0)))
 
 
 def uses_cuda() -> str:

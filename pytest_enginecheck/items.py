@@ -53,7 +53,7 @@ class CheckItem(pytest.Item):
         self.known: MutableMapping[str, CheckResult] = {}
         self.add_marker("enginecheck")
         # the ranks it starts at once: startup runs at the largest TP size
-        self.ranks = max(1, max(ctx.tp_sizes) if ctx.check == "startup" else ctx.tp)
+        self.ranks = max(1, max(ctx.options.tp_sizes) if ctx.check == "startup" else ctx.tp)
         if self.ranks > 1 and self.config.pluginmanager.hasplugin("xdist"):
             # pytest-xdist's --dist loadgroup sends the items of one group to one worker (the group names no rank
             # count, so node ids, and pytest-split's durations, do not depend on --enginecheck-tp); rank_turns makes

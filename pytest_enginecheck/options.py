@@ -1,25 +1,30 @@
-"""The plugin's options: each CLI flag has an ini twin; the CLI wins, then the ini file."""
+"""The plugin's options: each CLI flag has an ini twin; the CLI wins, then the ini file. Each target adds its own
+(``Target.options``), registered and read here as the core's are; ``settings.py`` holds what they resolve to, and
+their defaults."""
 
 from __future__ import annotations
 
 import math
 import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import pytest
 
 from pytest_enginecheck.checks import CHECK_SPECS, CHECKS, TP_CHECKS
-from pytest_enginecheck.targets import DEFAULT_TARGET, TARGETS_GROUP
+from pytest_enginecheck.settings import (
+    BUDGET_MAX_MODEL_LEN,
+    BUDGET_MEMORY,
+    BUDGET_UTILIZATION,
+    QUANT_METHODS,
+    TIMEOUT_S,
+    TP_SIZES,
+    Settings,
+)
+from pytest_enginecheck.targets import DEFAULT_TARGET, TARGETS_GROUP, TargetOption, declared_options
 
 SUMMARIES = ("all", "failures", "none")
-INSPECT_MODES = ("fork", "subprocess")
-BUDGET_MEMORY = "512MiB"
-BUDGET_UTILIZATION = 0.9
-BUDGET_MAX_MODEL_LEN = 128
-QUANT_METHODS = ("fp8", "int8")
 
 HELP = {
     "enginecheck": f"check every registered architecture of the target engine: {', '.join(CHECKS)} (those the target "
@@ -29,9 +34,9 @@ HELP = {
               f"'module:Class' or an engine_ref ModelRegistry",
     "checks": f"comma-separated checks to run (default: all that apply to the target): {','.join(CHECKS)}",
     "tp": f"comma-separated tensor parallel sizes: one item per size for each of the {', '.join(TP_CHECKS)} checks; "
-          "startup uses the largest that splits the model (default: 1,2)",
+          f"startup uses the largest that splits the model (default: {','.join(map(str, TP_SIZES))})",
     "timeout": "seconds each check may take before its process tree is killed, a finite positive number "
-               "(default: 120)",
+               f"(default: {TIMEOUT_S:g})",
     "json": "write the results (outcome, message, detail, duration and phase timings per check) as JSON to this "
             "path; it must be writable",
     "summary": "the architecture x check table at the end: all rows, only the rows with a failure, or none "
@@ -47,9 +52,6 @@ HELP = {
     "quant": f"comma-separated quantization methods for the quant check, one item per method and TP size, e.g. "
              f"quant[fp8,tp=2]: fp8, fbgemm_fp8, int8 (engine_ref); int8 (W8A8), w4a16 (vLLM) (default: "
              f"{','.join(QUANT_METHODS)})",
-    "inspect": "how the vLLM target's inspect check builds each ModelInfo: 'fork' runs vLLM's own function for it "
-               "in the warm check process (fast), 'subprocess' vLLM's real inspection subprocess, a fresh "
-               "interpreter per architecture (full fidelity, ~15 s each) (default: fork)",
     "trace": "write a Chrome trace-event JSON of every engine start the checks make into this directory (one "
              "track per rank; open it in https://ui.perfetto.dev or chrome://tracing)",
     "import_profile": "print, per architecture, the N modules its import spent the most time in (self time, with the "
@@ -60,21 +62,24 @@ HELP["html"] = ("write a self-contained HTML report to this path: the architectu
 
 
 def _add(group: pytest.OptionGroup, parser: pytest.Parser, name: str,
-         ini_type: Literal["string", "bool"] = "string", **kwargs: object) -> None:
+         ini_type: Literal["string", "bool"] = "string", text: str | None = None, **kwargs: object) -> None:
+    """``--enginecheck-<name>`` and its ini twin ``enginecheck_<name>``, with the help ``text`` (HELP's by default)
+    and the checks that read it."""
     flag = "--enginecheck" if name == "enginecheck" else f"--enginecheck-{name.replace('_', '-')}"
     dest = "enginecheck" if name == "enginecheck" else f"enginecheck_{name}"
-    group.addoption(flag, dest=dest, help=option_help(name), **kwargs)
-    parser.addini(dest, help=option_help(name), type=ini_type, default=None)
+    group.addoption(flag, dest=dest, help=option_help(name, text), **kwargs)
+    parser.addini(dest, help=option_help(name, text), type=ini_type, default=None)
 
 
-def option_help(name: str) -> str:
-    """The option's help, ending with the checks that read it (from CHECK_SPECS)."""
+def option_help(name: str, text: str | None = None) -> str:
+    """The option's help (``text``, else HELP's), ending with the checks that read it (from CHECK_SPECS)."""
     readers = [spec.name for spec in CHECK_SPECS if name in spec.options]
-    return HELP[name] + (f"; read by the {', '.join(readers)} check{'s' if len(readers) > 1 else ''}" if readers
-                         else "")
+    return (HELP[name] if text is None else text) + (
+        f"; read by the {', '.join(readers)} check{'s' if len(readers) > 1 else ''}" if readers else "")
 
 
 def add_options(parser: pytest.Parser) -> None:
+    """The core's options, then every installed target's own (``Target.options``)."""
     group = parser.getgroup("enginecheck", "engine startup checks (pytest-enginecheck)")
     _add(group, parser, "enginecheck", ini_type="bool", action="store_true", default=None)
     _add(group, parser, "target", metavar="SPEC")
@@ -90,32 +95,10 @@ def add_options(parser: pytest.Parser) -> None:
     _add(group, parser, "budget_max_model_len", metavar="TOKENS")
     _add(group, parser, "quant", metavar="METHODS")
     _add(group, parser, "trace", metavar="DIR")
-    _add(group, parser, "inspect", choices=INSPECT_MODES)
     _add(group, parser, "html", metavar="PATH")
     _add(group, parser, "import_profile", metavar="N")
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The resolved options of one run."""
-
-    enabled: bool
-    target: str
-    checks: tuple[str, ...] | None  # None: every check that applies to the target
-    tp_sizes: tuple[int, ...]
-    timeout: float
-    json_path: str | None
-    strict: bool
-    device_memory: str | None
-    summary: str | None  # None: all, or failures at 400 architectures or more
-    budget_memory: str = BUDGET_MEMORY
-    budget_utilization: float = BUDGET_UTILIZATION
-    budget_max_model_len: int = BUDGET_MAX_MODEL_LEN
-    quant_methods: tuple[str, ...] = QUANT_METHODS
-    trace_dir: str | None = None  # ENGINE_REF_TRACE_DIR of the check children's engines
-    inspect_mode: str = "fork"  # the vLLM target's inspect check: INSPECT_MODES
-    html_path: str | None = None  # --enginecheck-html: the self-contained HTML report (html_report.py)
-    import_profile: int = 0  # modules per architecture the import profile prints (0: no profile printed)
+    for option in declared_options():
+        _add(group, parser, option.name, text=option.help, metavar=option.metavar, choices=option.choices or None)
 
 
 def _get(config: pytest.Config, dest: str) -> object:
@@ -206,6 +189,15 @@ def _import_profile(config: pytest.Config) -> int:
     return value
 
 
+def _target_option(config: pytest.Config, option: TargetOption) -> str:
+    """A target's option (``Target.options``): its value, one of its choices where it has them, else its default."""
+    dest = f"enginecheck_{option.name}"
+    value = str(_get(config, dest) or option.default)
+    if option.choices and value not in option.choices:
+        raise _usage_error(config, dest, f"choose from {', '.join(option.choices)}")
+    return value
+
+
 def resolve_settings(config: pytest.Config) -> Settings:
     """Read every option (CLI, then ini) and validate it; bad values raise pytest.UsageError."""
     checks = None
@@ -215,8 +207,9 @@ def resolve_settings(config: pytest.Config) -> Settings:
         if unknown:
             raise pytest.UsageError(f"{_name(config, 'enginecheck_checks')}: unknown check(s) {', '.join(unknown)}; "
                                     f"choose from {','.join(CHECKS)}")
+    tp = _get(config, "enginecheck_tp")
     try:
-        tp_sizes = tuple(int(s) for s in _csv(_get(config, "enginecheck_tp") or "1,2"))
+        tp_sizes = tuple(int(s) for s in _csv(tp)) if tp else TP_SIZES
         if not tp_sizes or min(tp_sizes) < 1:
             raise ValueError
     except ValueError:
@@ -224,15 +217,13 @@ def resolve_settings(config: pytest.Config) -> Settings:
     summary = str(_get(config, "enginecheck_summary") or "") or None
     if summary is not None and summary not in SUMMARIES:
         raise _usage_error(config, "enginecheck_summary", f"choose from {', '.join(SUMMARIES)}")
-    inspect_mode = str(_get(config, "enginecheck_inspect") or "fork")
-    if inspect_mode not in INSPECT_MODES:
-        raise _usage_error(config, "enginecheck_inspect", f"choose from {', '.join(INSPECT_MODES)}")
+    target_options = tuple((option.name, _target_option(config, option)) for option in declared_options())
     return Settings(
         enabled=bool(_get(config, "enginecheck")),
         target=str(_get(config, "enginecheck_target") or DEFAULT_TARGET),
         checks=checks,
         tp_sizes=tp_sizes,
-        timeout=_number(config, "enginecheck_timeout", 120.0, float, "give a finite positive number of seconds"),
+        timeout=_number(config, "enginecheck_timeout", TIMEOUT_S, float, "give a finite positive number of seconds"),
         json_path=_writable_file(config, "enginecheck_json"),
         strict=bool(_get(config, "enginecheck_strict")),
         device_memory=_size(config, "enginecheck_device_memory"),
@@ -245,7 +236,7 @@ def resolve_settings(config: pytest.Config) -> Settings:
         quant_methods=_quant_methods(config),
         trace_dir=(os.path.abspath(str(_get(config, "enginecheck_trace")))
                    if _get(config, "enginecheck_trace") else None),
-        inspect_mode=inspect_mode,
         import_profile=_import_profile(config),
         html_path=_writable_file(config, "enginecheck_html"),
+        target_options=target_options,
     )

@@ -22,8 +22,8 @@ import pytest
 from pytest_enginecheck.checks import CHECKS, TP_CHECKS, CheckContext, CheckResult, roots
 from pytest_enginecheck.html_report import write_html
 from pytest_enginecheck.items import RESULT_PROPERTY, CheckItem, EngineCheckCollector, PluginErrorCollector
-from pytest_enginecheck.options import Settings
 from pytest_enginecheck.report import import_profile_lines, summary_mode, summary_table, write_json
+from pytest_enginecheck.settings import Settings
 from pytest_enginecheck.targets import (
     ArchEntry,
     Offer,
@@ -128,11 +128,7 @@ class EngineCheckSession:
         """One context per item of ``entry``: per check, and per TP size for TP_CHECKS."""
         s = self.settings
         return [CheckContext(check=check, spec=s.target, architecture=entry.architecture, module=entry.module,
-                             class_name=entry.class_name, workdir=self.workdir, tp=tp, tp_sizes=s.tp_sizes,
-                             strict=s.strict, device_memory=s.device_memory, timeout=s.timeout,
-                             budget_memory=s.budget_memory, budget_utilization=s.budget_utilization,
-                             budget_max_model_len=s.budget_max_model_len, quantization=method,
-                             inspect_mode=s.inspect_mode)
+                             class_name=entry.class_name, workdir=self.workdir, tp=tp, quantization=method, options=s)
                 for check in checks if check != "plugins"
                 for method in (s.quant_methods if check == "quant" else (None,))
                 for tp in (s.tp_sizes if check in TP_CHECKS else (1,))]
@@ -142,8 +138,7 @@ class EngineCheckSession:
         s = self.settings
         return {f"plugin:{name}": [CheckContext(check="plugins", spec=s.target, architecture=f"plugin:{name}",
                                                 module=value.split(":")[0], class_name=distribution,
-                                                workdir=self.workdir, strict=s.strict, timeout=s.timeout,
-                                                plugin=name)]
+                                                workdir=self.workdir, plugin=name, options=s)]
                 for name, value, distribution in description.plugins}
 
     def settings_line(self) -> str:

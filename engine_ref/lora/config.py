@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine_ref.config import DTYPES
+from engine_ref.config.model import DTYPES
 from engine_ref.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pytest_enginecheck.settings import Settings
+
 
 @dataclass(frozen=True)
 class CheckSpec:
@@ -27,7 +29,7 @@ class CheckSpec:
     tp: bool = False  # one item per TP size (``load[tp=2]``)
     per_method: bool = False  # one item per quantization method and TP size (``quant[fp8,tp=2]``)
     roots: str = "import"  # "", "import" or "build"
-    options: tuple[str, ...] = ()  # the --enginecheck-* options it reads (besides --enginecheck-timeout)
+    options: tuple[str, ...] = ()  # --enginecheck-* options it reads, a target's too (besides --enginecheck-timeout)
 
     def item_pattern(self) -> str:
         """The item's name as the README writes it: ``load[tp=N]``, ``quant[METHOD,tp=N]``."""
@@ -114,7 +116,7 @@ BUILD_ROOT = "load[tp=1]"
 
 @dataclass(frozen=True)
 class CheckContext:
-    """Everything a check needs, sent to its child process."""
+    """Everything a check needs, sent to its child process: what its item is, and the run's ``options``."""
 
     check: str
     spec: str
@@ -123,16 +125,9 @@ class CheckContext:
     class_name: str
     workdir: str  # where checkpoints are generated, shared by the session's checks
     tp: int = 1
-    tp_sizes: tuple[int, ...] = (1, 2)
-    strict: bool = False
-    device_memory: str | None = None
-    timeout: float = 120.0
-    budget_memory: str = "512MiB"  # the budget check's tiny engine: device size, utilisation, max_model_len
-    budget_utilization: float = 0.9
-    budget_max_model_len: int = 128
     plugin: str = ""  # the plugins check: the entry point's name (``module`` is its module)
     quantization: str | None = None  # the quant check: the method (``--enginecheck-quant``)
-    inspect_mode: str = "fork"  # the vLLM target's inspect check: "fork" or "subprocess" (``--enginecheck-inspect``)
+    options: Settings = field(default_factory=Settings)  # the run's resolved options (``ctx.options.timeout``)
 
 
 def item_name(ctx: CheckContext) -> str:
@@ -159,7 +154,7 @@ def roots(ctx: CheckContext) -> tuple[str, ...]:
     found = (*found, "inspect")  # a class the registry cannot inspect is not built either (the same exception)
     if name == BUILD_ROOT:
         return found
-    tp = ctx.tp if spec.tp else max(ctx.tp_sizes)  # startup runs at the largest TP size
+    tp = ctx.tp if spec.tp else max(ctx.options.tp_sizes)  # startup runs at the largest TP size
     same_tp = f"load[tp={tp}]"  # a build that fails only at TP=N: load[tp=N] names the layer
     return (*found, BUILD_ROOT, *((same_tp,) if tp > 1 and same_tp != name else ()))
 

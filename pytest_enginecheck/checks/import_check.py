@@ -29,7 +29,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
 
     error: BaseException | None = None
     start = time.perf_counter()
-    with (CudaGuard(strict=ctx.strict, engine_packages=load_target(ctx.spec).engine_packages) as guard,
+    with (CudaGuard(strict=ctx.options.strict, engine_packages=load_target(ctx.spec).engine_packages) as guard,
           ImportProfiler() as profiler):
         try:
             module = importlib.import_module(ctx.module)

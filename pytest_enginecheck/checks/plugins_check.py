@@ -66,7 +66,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         raise CheckFailure(f"--enginecheck-target={ctx.spec!r} has no general plugins, but an item of the plugins "
                            f"check ({ctx.plugin!r}) was generated for it", {"kind": "missing_plugin"})
     entry = _entry(ctx, plugins)
-    failure = loading_failure(target, entry, plugins.run_plugin(entry, strict=ctx.strict))
+    failure = loading_failure(target, entry, plugins.run_plugin(entry, strict=ctx.options.strict))
     if failure is not None:
         raise failure
     ok, output, state = plugins.run_in_engine_state(entry)

@@ -23,7 +23,15 @@ from typing import Any
 
 from engine_ref.isolation import ProcessCrashedError, ProcessTimeoutError, last_call_stats, run_isolated, tail
 from engine_ref.isolation.tempdirs import mkdtemp_beside
-from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckResult, CheckSkip, item_name, subject
+from pytest_enginecheck.checks import (
+    CheckContext,
+    CheckFailure,
+    CheckResult,
+    CheckSkip,
+    item_name,
+    plugins_check,
+    subject,
+)
 from pytest_enginecheck.checks.causes import failure_cause, same_cause
 from pytest_enginecheck.checks.measurements import cache_counts, with_cache_counts, with_call_stats
 from pytest_enginecheck.targets import CheckFunction, load_target
@@ -53,7 +61,10 @@ def _phases(seconds: float, detail: dict[str, Any]) -> dict[str, float]:
 
 
 def check_function(ctx: CheckContext) -> CheckFunction:
-    """The function that runs ``ctx``'s check: its target's (``Target.check_function``)."""
+    """The function that runs ``ctx``'s check: the core's plugins check on every target (it loads the plugins through
+    the target's ``plugin_loader``), else its target's (``Target.check_function``)."""
+    if ctx.check == "plugins":
+        return plugins_check.run
     return load_target(ctx.spec).check_function(ctx.check)
 
 
@@ -82,17 +93,17 @@ def run_in_child(ctx: CheckContext, tmpdir: str | None = None) -> CheckResult:
 
 
 def run_check(ctx: CheckContext) -> CheckResult:
-    """Run one check in its own process tree, bounded by ``ctx.timeout``."""
+    """Run one check in its own process tree, bounded by ``ctx.options.timeout``."""
     start = time.perf_counter()
     private = mkdtemp_beside("check")  # directly in the temp dir: short enough for the Unix sockets made in it
     try:
-        result = run_isolated(run_in_child, ctx, private, timeout=ctx.timeout,
+        result = run_isolated(run_in_child, ctx, private, timeout=ctx.options.timeout,
                               name=f"enginecheck {ctx.check} {ctx.architecture}")
     except ProcessTimeoutError as e:
         result = _result(ctx, "failed",
-                         f"{subject(ctx)} did not finish within {ctx.timeout:g} s (--enginecheck-timeout); the "
+                         f"{subject(ctx)} did not finish within {ctx.options.timeout:g} s (--enginecheck-timeout); the "
                          f"check's process tree was killed. Its Python stacks at that moment:\n{e.stacks or '(none)'}",
-                         {"kind": "timeout", "timeout_s": ctx.timeout, "stacks": e.stacks})
+                         {"kind": "timeout", "timeout_s": ctx.options.timeout, "stacks": e.stacks})
     except ProcessCrashedError as e:
         output = f" Its last output:\n{tail(e.output)}" if e.output.strip() else ""
         if e.signal_name:

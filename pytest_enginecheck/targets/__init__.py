@@ -7,8 +7,9 @@ without touching this project. A ``module:attribute`` spec is a kind of the defa
 ``ModelRegistry``, or a mapping of architecture -> ``"module:Class"``, the string form of vLLM's register_model).
 
 Each target lives in a folder of its own below this package and imports no other target. The pytest process asks
-a target only what needs no engine import (``offered``, ``plugin_group``, ``warm_parent_modules``,
-``prepare_children``); ``describe`` and the check functions run in check processes.
+a target only what needs no engine import (``offered``, ``options``, ``plugin_group``, ``warm_parent_modules``,
+``prepare_children``); ``describe`` and the check functions run in check processes. A target adds options of its own
+(``Target.options``) beside the core's; the core's plugins check runs on every target that has general plugins.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from pytest_enginecheck.checks import CheckContext
-    from pytest_enginecheck.options import Settings
+    from pytest_enginecheck.settings import Settings
 
 TARGETS_GROUP = "pytest_enginecheck.targets"
 DEFAULT_TARGET = "engine_ref"  # the bundled engine: --enginecheck-target's default, and module:attribute's kind
@@ -111,6 +112,23 @@ class TargetDescription:
     plugin_errors: tuple[PluginError, ...] = ()  # the plugins that raised while it was described
 
 
+@dataclass(frozen=True)
+class TargetOption:
+    """An option of one target (``Target.options``): ``--enginecheck-<name>`` and its ini twin ``enginecheck_<name>``,
+    registered, read and refused as the core's own options are (``options.py``) and kept in ``Settings.target_options``.
+    Its help ends with the checks whose ``CheckSpec.options`` name it."""
+
+    name: str
+    help: str
+    default: str
+    choices: tuple[str, ...] = ()  # empty: any value
+    metavar: str | None = None
+
+    def value(self, options: Settings) -> str:
+        """Its value in a run's settings (``ctx.options``): the one resolved, else its default."""
+        return dict(options.target_options).get(self.name, self.default)
+
+
 class PluginEntry(Protocol):
     """An installed general plugin, as a loader lists it."""
 
@@ -165,13 +183,16 @@ class Target(ABC):
     """An engine ``--enginecheck`` can check. Subclass it, and register a factory ``(spec) -> Target`` in the
     entry-point group ``pytest_enginecheck.targets`` under the target's name.
 
-    Override what the engine has: ``describe``, ``offered`` and ``check_function`` always; ``plugin_loader`` and
-    ``plugin_group`` where it has general plugins; ``warm_parent_modules`` for what every check child would
-    import (preloaded once instead); ``prepare_children`` for the environment check children inherit.
+    Override what the engine has: ``describe``, ``offered`` and ``check_function`` always (or subclass
+    ``pytest_enginecheck.registry_target.RegistryTarget``, whose ``describe`` is the shared one); ``plugin_loader``
+    and ``plugin_group`` where it has general plugins; ``options`` for options of its own; ``warm_parent_modules``
+    for what every check child would import (preloaded once instead); ``prepare_children`` for the environment check
+    children inherit.
     """
 
     name: str = ""  # the entry point's name: what --enginecheck-target takes
     label: str = ""  # how messages name the engine ("vLLM")
+    options: tuple[TargetOption, ...] = ()  # its own options, beside the core's (registered whichever target runs)
     plugin_group: PluginGroup | None = None
     # The engine's own packages: strict mode does not blame a model for CUDA queries made while they import.
     engine_packages: tuple[str, ...] = ()
@@ -192,7 +213,8 @@ class Target(ABC):
     @abstractmethod
     def check_function(self, check: str) -> CheckFunction:
         """The function that runs ``check`` in its child: returns the passing result's detail, or raises
-        CheckFailure / CheckSkip (see ``pytest_enginecheck.checks``)."""
+        CheckFailure / CheckSkip (see ``pytest_enginecheck.checks``). Never asked for ``plugins``: the runner runs
+        the core's plugins check, through ``plugin_loader``."""
 
     def plugin_loader(self) -> PluginLoader | None:
         """How the target's general plugins are loaded; None when it has none."""
@@ -255,6 +277,18 @@ def load_target(spec: str) -> Target:
         raise TargetError(f"--enginecheck-target={spec!r}: its entry point {factories[name].value!r} returned a "
                           f"{type(target).__name__}, not a pytest_enginecheck.targets.Target")
     return target
+
+
+def declared_options() -> tuple[TargetOption, ...]:
+    """Every installed target's own options (``Target.options``), in the order of the targets' names; a target whose
+    entry point fails to load declares none (selecting it is the error that says why)."""
+    found: list[TargetOption] = []
+    for name in target_names():
+        try:
+            found += load_target(name).options
+        except TargetError:
+            continue
+    return tuple(found)
 
 
 def without_failed(entries: Iterable[ArchEntry], plugins: Iterable[PluginEntry], errors: tuple[PluginError, ...]

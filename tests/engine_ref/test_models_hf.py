@@ -235,7 +235,7 @@ def bundled_configs() -> list[tuple[str, dict[str, Any]]]:
 def test_config_aliases_and_rope_defaults_equal_transformers(arch: str, config: dict[str, Any]) -> None:
     import transformers
 
-    from engine_ref.config import HF_ATTRIBUTE_MAPS
+    from engine_ref.config.hf_config import HF_ATTRIBUTE_MAPS
     from engine_ref.model_executor.layers.rotary_embedding import DEFAULT_ROPE_THETA, DEFAULT_ROPE_THETAS
 
     config_cls = transformers.CONFIG_MAPPING[config["model_type"]]
@@ -245,7 +245,7 @@ def test_config_aliases_and_rope_defaults_equal_transformers(arch: str, config: 
 
 
 def test_every_alias_reads_under_both_names() -> None:
-    from engine_ref.config import HF_ATTRIBUTE_MAPS, HFConfig
+    from engine_ref.config.hf_config import HF_ATTRIBUTE_MAPS, HFConfig
 
     for model_type, aliases in HF_ATTRIBUTE_MAPS.items():
         for alias, name in aliases.items():

@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from engine_ref import LLM
-from engine_ref.config import DEFAULT_READY_TIMEOUT_S, DEFAULT_RPC_TIMEOUT_S, ParallelConfig
+from engine_ref.config import ParallelConfig
+from engine_ref.config.parallel import DEFAULT_READY_TIMEOUT_S, DEFAULT_RPC_TIMEOUT_S
 from engine_ref.entrypoints.cli import main as cli_main
 from engine_ref.errors import ConfigError, EngineDeadError, WorkerStartupError
 from engine_ref.executor.multiproc import MultiprocExecutor, WorkerError

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from engine_ref import LLM
-from engine_ref.config import DEFAULT_RPC_TIMEOUT_S
+from engine_ref.config.parallel import DEFAULT_RPC_TIMEOUT_S
 from engine_ref.errors import WorkerStartupError
 from engine_ref.executor import ray_distributed
 from engine_ref.executor.protocol import RpcTimeoutError

@@ -24,6 +24,7 @@ from engine_ref import LLM
 from engine_ref.executor.shutdown import IN_PROCESS, WorkerExit, describe_exits
 from engine_ref.isolation import run_isolated
 from pytest_enginecheck.checks import CheckContext, CheckResult
+from pytest_enginecheck.settings import Settings
 from tests.helpers import SMALL_ENGINE
 
 ZOO = Path(__file__).parents[1] / "plugin_zoo"
@@ -136,7 +137,8 @@ def startup_results(tmp_path_factory: pytest.TempPathFactory, zoo_on_path: None)
     workdir = str(tmp_path_factory.mktemp("startup"))
     modules = {POLLER: "zoo.planted_thread", TWIN: "zoo.planted_clean"}
     return {(arch, tp): run_check(CheckContext(check="startup", spec=SPEC, architecture=arch, module=module,
-                                               class_name=arch, workdir=workdir, tp_sizes=tuple(range(1, tp + 1))))
+                                               class_name=arch, workdir=workdir,
+                                               options=Settings(tp_sizes=tuple(range(1, tp + 1)))))
             for arch, module in modules.items() for tp in ((2, 1) if arch == POLLER else (2,))}
 
 

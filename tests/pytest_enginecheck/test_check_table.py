@@ -11,6 +11,7 @@ import pytest
 
 from pytest_enginecheck.checks import CHECK_SPECS, CHECKS, SPECS, CheckContext, item_name, markdown_table, roots
 from pytest_enginecheck.options import HELP, option_help
+from pytest_enginecheck.targets import declared_options
 
 README = Path(__file__).parents[2] / "README.md"
 
@@ -35,8 +36,10 @@ def test_each_options_help_names_the_checks_that_read_it() -> None:
     assert option_help("budget_memory").endswith("; read by the budget check")
     assert option_help("tp").endswith("; read by the load, budget, startup, lora, quant checks")
     assert option_help("json") == HELP["json"]
+    targets_own = {option.name for option in declared_options()}  # a target's own (Target.options): inspect
     for spec in CHECK_SPECS:
-        assert all(option in HELP for option in spec.options), spec
+        assert all(option in HELP or option in targets_own for option in spec.options), spec
+    assert option_help("inspect", "how").endswith("how; read by the inspect check")
 
 
 @pytest.mark.parametrize("spec", CHECK_SPECS, ids=lambda s: s.name)

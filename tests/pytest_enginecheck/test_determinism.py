@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from pytest_enginecheck.checks import CheckContext, CheckResult
-from pytest_enginecheck.targets.engine_ref.tp_diagnosis import Capture, compare, explain_seeds, explain_tp
+from pytest_enginecheck.settings import Settings
+from pytest_enginecheck.targets.engine_ref.tp_explain import Capture, compare, explain_seeds, explain_tp
 from tests.zoo_sessions import PLANTED, zoo_session
 
 # the fixture that reads a shared zoo session -> its name (started early: tests/zoo_sessions.py)
@@ -92,7 +93,7 @@ def test_a_diagnosis_that_fails_says_so(tmp_path: Path) -> None:
     from pytest_enginecheck.targets.engine_ref.load_check import _diagnosis
 
     ctx = CheckContext(check="load", spec="engine_ref", architecture="LlamaForCausalLM", module="", class_name="",
-                       workdir=str(tmp_path), tp=2, timeout=30.0)
+                       workdir=str(tmp_path), tp=2, options=Settings(timeout=30.0))
     diagnosis = _diagnosis(ctx, tmp_path, [3, 10, 17])
     assert diagnosis.module is None
     assert diagnosis.text.startswith("The diagnosis failed (MultirankError: rank 0 of 1 failed: "

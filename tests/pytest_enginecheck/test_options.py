@@ -100,6 +100,12 @@ def test_ini_options_work_like_flags_and_flags_win(zoo: pytest.Pytester) -> None
     pytest.param(["--enginecheck-summary=most"], "",
                  "*--enginecheck-summary: invalid choice: 'most'*",
                  id="summary-flag"),
+    # a target's own option (Target.options) is refused as the core's are, whichever target runs
+    pytest.param([], "enginecheck_inspect = spawn",
+                 "ERROR: ini option enginecheck_inspect='spawn': choose from fork, subprocess", id="inspect-ini"),
+    pytest.param(["--enginecheck-inspect=spawn"], "",
+                 "*--enginecheck-inspect: invalid choice: 'spawn' (choose from 'fork', 'subprocess')*",
+                 id="inspect-flag"),
     pytest.param(["--enginecheck-budget-memory=big"], "",
                  "ERROR: --enginecheck-budget-memory='big' is not a size*", id="budget-memory"),
     *[pytest.param([f"--enginecheck-budget-utilization={value}"], "",
@@ -162,8 +168,10 @@ def test_help_says_what_each_option_and_marker_does(pytester: pytest.Pytester) -
     text = " ".join(helped.stdout.str().split())  # argparse wraps the help text
     assert f"one item per size for each of the {', '.join(TP_CHECKS)} checks" in text
     for flag in ("--enginecheck-summary={all,failures,none}", "--enginecheck-budget-memory=SIZE",
-                 "--enginecheck-budget-utilization=FRACTION", "--enginecheck-budget-max-model-len=TOKENS"):
+                 "--enginecheck-budget-utilization=FRACTION", "--enginecheck-budget-max-model-len=TOKENS",
+                 "--enginecheck-inspect={fork,subprocess}"):
         assert flag in text
+    assert "(full fidelity, ~15 s each) (default: fork); read by the inspect check" in text  # a target's own
     markers = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--markers", timeout=120)
     markers.stdout.fnmatch_lines(["@pytest.mark.memory_budget(per_rank): * (needs the engine fixture: *",
                                   "@pytest.mark.world_size(n): * needs the multirank fixture)"])

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pytest_enginecheck.checks import CheckContext, CheckResult
+from pytest_enginecheck.settings import Settings
 
 ZOO = Path(__file__).parents[1] / "plugin_zoo"
 SPEC = "zoo.redteam_registry:REGISTRY"
@@ -34,9 +35,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CheckResult]:
     add_preload_modules(*CHILD_MODULES)
     workdir = str(tmp_path_factory.mktemp("redteam"))
 
-    def load(arch: str, **kwargs: object) -> CheckResult:
+    def load(arch: str, tp: int, **options: object) -> CheckResult:
         return run_check(CheckContext(check="load", spec=SPEC, architecture=arch, module="zoo.planted_redteam",
-                                      class_name=arch, workdir=workdir, **kwargs))  # type: ignore[arg-type]
+                                      class_name=arch, workdir=workdir, tp=tp,
+                                      options=Settings(**options)))  # type: ignore[arg-type]
     try:
         return {"hang": load(HANG, tp=2, timeout=TIMEOUT_S), "strict": load(QUERY, tp=1, strict=True),
                 "lenient": load(QUERY, tp=1)}

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
+from pytest_enginecheck.settings import Settings
 
 
 def load_tp1(workdir: str, architecture: str) -> dict[str, Any] | str:
@@ -15,7 +16,7 @@ def load_tp1(workdir: str, architecture: str) -> dict[str, Any] | str:
 
     os.environ["VLLM_PLUGINS"] = "clean"  # not the test site's raising plugins (tests/vllm/plugin_dist.py)
     ctx = CheckContext(check="load", spec="vllm", architecture=architecture, module="", class_name="",
-                       workdir=workdir, tp=1, budget_memory="512MiB", timeout=300.0)
+                       workdir=workdir, tp=1, options=Settings(budget_memory="512MiB", timeout=300.0))
     try:
         detail: dict[str, Any] = CHECK_FUNCTIONS["load"](ctx)
     except (CheckFailure, CheckSkip) as e:

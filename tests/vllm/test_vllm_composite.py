@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
+from pytest_enginecheck.settings import Settings
 
 VISION = "PaliGemmaForConditionalGeneration"  # SigLIP tower + projector + Gemma
 AUDIO = "Qwen2AudioForConditionalGeneration"  # Whisper-like encoder + projector + Qwen2; transformers doubles a prefix
@@ -56,7 +57,7 @@ def _load(workdir: str, architecture: str, tp: int) -> Any:
 
     os.environ["VLLM_PLUGINS"] = "clean"
     ctx = CheckContext(check="load", spec="vllm", architecture=architecture, module="", class_name="",
-                       workdir=workdir, tp=tp, timeout=300.0)
+                       workdir=workdir, tp=tp, options=Settings(timeout=300.0))
     try:
         return CHECK_FUNCTIONS["load"](ctx)
     except (CheckFailure, CheckSkip) as e:

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure
+from pytest_enginecheck.settings import Settings
 
 FAMILIES = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
             "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GemmaForCausalLM", "PhiForCausalLM"]
@@ -51,7 +52,7 @@ def test_tiny_checkpoints_of_the_text_families(in_child: Any, tmp_path: Any) -> 
 
 def _ctx(workdir: str, architecture: str, check: str, tp: int = 1, budget: str = "512MiB") -> CheckContext:
     return CheckContext(check=check, spec="vllm", architecture=architecture, module="", class_name="",
-                        workdir=workdir, tp=tp, budget_memory=budget, timeout=300.0)
+                        workdir=workdir, tp=tp, options=Settings(budget_memory=budget, timeout=300.0))
 
 
 def _check(name: str, workdir: str, architecture: str, tp: int = 1, budget: str = "512MiB") -> Any:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
+from pytest_enginecheck.settings import Settings
 
 PLUGIN = "enginecheck_limits"
 SOURCES = {
@@ -113,7 +114,7 @@ def _outcome(check: str, workdir: str, architecture: str) -> tuple[str, str, dic
     from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
 
     ctx = CheckContext(check=check, spec="vllm", architecture=architecture, module="", class_name="",
-                       workdir=workdir, tp=1, timeout=300.0)
+                       workdir=workdir, tp=1, options=Settings(timeout=300.0))
     try:
         return "passed", "", CHECK_FUNCTIONS[check](ctx)
     except CheckSkip as e:

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
+from pytest_enginecheck.settings import Settings
 
 MLA = "DeepseekV2ForCausalLM"
 DENSE = "LlamaForCausalLM"
@@ -19,7 +20,7 @@ def _run(workdir: str, check: str, tp: int) -> dict[str, Any] | str:
 
     os.environ["VLLM_PLUGINS"] = "clean"  # not the test site's raising plugins (tests/vllm/plugin_dist.py)
     ctx = CheckContext(check=check, spec="vllm", architecture=MLA, module="", class_name="", workdir=workdir, tp=tp,
-                       budget_memory="512MiB", timeout=300.0)
+                       options=Settings(budget_memory="512MiB", timeout=300.0))
     try:
         detail: dict[str, Any] = CHECK_FUNCTIONS[check](ctx)
     except (CheckFailure, CheckSkip) as e:

@@ -8,12 +8,13 @@ from typing import Any
 import pytest
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure
+from pytest_enginecheck.settings import Settings
 from tests.vllm.plugin_dist import CUDA_PKG_DIST, DIST, ENTRY_POINTS
 
 
 def _ctx(workdir: str, name: str, module: str, strict: bool = False) -> CheckContext:
     return CheckContext(check="plugins", spec="vllm", architecture=f"plugin:{name}", module=module, class_name="",
-                        workdir=workdir, strict=strict, plugin=name)
+                        workdir=workdir, options=Settings(strict=strict), plugin=name)
 
 
 def _list() -> list[Any]:

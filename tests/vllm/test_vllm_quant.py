@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
+from pytest_enginecheck.settings import Settings
 
 RUN_TIMEOUT_S = 1500
 
@@ -45,7 +46,7 @@ def _quant(workdir: str, architecture: str, method: str, tps: tuple[int, ...]) -
     results: dict[int, Any] = {}
     for tp in tps:
         ctx = CheckContext(check="quant", spec="vllm", architecture=architecture, module="", class_name="",
-                           workdir=workdir, tp=tp, quantization=method, timeout=300.0)
+                           workdir=workdir, tp=tp, quantization=method, options=Settings(timeout=300.0))
         try:
             results[tp] = CHECK_FUNCTIONS["quant"](ctx)
         except CheckFailure as e:
@@ -69,7 +70,8 @@ def _quant_skip(workdir: str, method: str) -> str:
     from pytest_enginecheck.targets.vllm.checks.quant import run
 
     ctx = CheckContext(check="quant", spec="vllm", architecture="LlamaForCausalLM", module="", class_name="",
-                       workdir=workdir, tp=1, budget_memory="512MiB", timeout=300.0, quantization=method)
+                       workdir=workdir, tp=1, quantization=method,
+                       options=Settings(budget_memory="512MiB", timeout=300.0))
     try:
         run(ctx)
     except CheckSkip as e:

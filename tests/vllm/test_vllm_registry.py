@@ -8,12 +8,13 @@ from typing import Any
 import pytest
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure
+from pytest_enginecheck.settings import Settings
 
 
 def _ctx(workdir: str, architecture: str, check: str = "import", strict: bool = False,
          inspect_mode: str = "fork") -> CheckContext:
     return CheckContext(check=check, spec="vllm", architecture=architecture, module="", class_name="",
-                        workdir=workdir, strict=strict, inspect_mode=inspect_mode)
+                        workdir=workdir, options=Settings(strict=strict, target_options=(("inspect", inspect_mode),)))
 
 
 def _entries() -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure
+from pytest_enginecheck.settings import Settings
 
 
 def _load(workdir: str, architecture: str, tp: int) -> Any:
@@ -15,7 +16,7 @@ def _load(workdir: str, architecture: str, tp: int) -> Any:
 
     os.environ["VLLM_PLUGINS"] = "clean,layer1_shard"
     ctx = CheckContext(check="load", spec="vllm", architecture=architecture, module="", class_name="",
-                       workdir=workdir, tp=tp, budget_memory="512MiB", timeout=300.0)
+                       workdir=workdir, tp=tp, options=Settings(budget_memory="512MiB", timeout=300.0))
     try:
         return CHECK_FUNCTIONS["load"](ctx)
     except CheckFailure as e:
@@ -116,7 +117,7 @@ def _strict_import_after_preload(workdir: str, architecture: str, preloaded: lis
     os.environ["VLLM_PLUGINS"] = "gpu_probe"
     assert preload(preloaded, strict=strict_preload) == preloaded
     ctx = CheckContext(check="import", spec="vllm", architecture=architecture, module="", class_name="",
-                       workdir=workdir, strict=True)
+                       workdir=workdir, options=Settings(strict=True))
     try:
         run_import(ctx)
     except CheckFailure as e:
@@ -153,7 +154,7 @@ def _load_token_only_then_logprobs(workdir: str, architecture: str) -> tuple[Any
 
     os.environ["VLLM_PLUGINS"] = "clean,scaled_shard"
     ctx = CheckContext(check="load", spec="vllm", architecture=architecture, module="", class_name="",
-                       workdir=workdir, tp=2, budget_memory="512MiB", timeout=300.0)
+                       workdir=workdir, tp=2, options=Settings(budget_memory="512MiB", timeout=300.0))
     results = []
     for tolerance in (float("inf"), load.LOGPROB_TOLERANCE):
         load.LOGPROB_TOLERANCE, kept = tolerance, load.LOGPROB_TOLERANCE

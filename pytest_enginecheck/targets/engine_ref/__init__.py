@@ -3,7 +3,8 @@
 Spec ``engine_ref`` is the global ``ModelRegistry`` with every installed general plugin
 (``engine_ref.general_plugins``) loaded; a ``module:attribute`` spec names another ``ModelRegistry`` (every check)
 or a mapping of architecture -> ``"module:Class"`` (the ``mapping`` kind: import and inspect, through engine_ref's
-registry). The check modules are this folder's ``*_check.py``, and the core's import and plugins checks.
+registry). The check modules are this folder's ``*_check.py``, and the core's import check (the runner runs the core's
+plugins check).
 """
 
 from __future__ import annotations
@@ -14,26 +15,23 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from pytest_enginecheck.checks import CHECKS
-from pytest_enginecheck.checks.plugins_check import plugin_errors
+from pytest_enginecheck.registry_target import RegistryTarget
 from pytest_enginecheck.targets import (
     ArchEntry,
     CheckFunction,
     Offer,
     PluginGroup,
     PluginLoader,
-    Target,
     TargetDescription,
     TargetError,
-    without_failed,
 )
 
 if TYPE_CHECKING:
-    from pytest_enginecheck.options import Settings
+    from pytest_enginecheck.settings import Settings
 
 MAPPING_CHECKS = ("import", "inspect")
 ESTIMATE_CHECKS = ("budget", "quant")  # they compare against engine_ref.memory.estimate
 CHECK_MODULES = {
-    "plugins": "pytest_enginecheck.checks.plugins_check",
     "import": "pytest_enginecheck.checks.import_check",
     "inspect": "pytest_enginecheck.targets.engine_ref.inspect_check",
     "load": "pytest_enginecheck.targets.engine_ref.load_check",
@@ -47,7 +45,7 @@ MAPPING_REASON = ("a mapping of architecture -> 'module:Class' has no engine to 
                   "--enginecheck-target at an engine_ref ModelRegistry")
 
 
-class EngineRefTarget(Target):
+class EngineRefTarget(RegistryTarget):
     """engine_ref's registry (``engine_ref``, or ``module:attribute`` naming a registry or a mapping)."""
 
     name = "engine_ref"
@@ -62,13 +60,13 @@ class EngineRefTarget(Target):
     def offered(self) -> Offer:
         return Offer(CHECKS)  # a mapping's narrower offer is known once described
 
-    def describe(self, strict: bool = False) -> TargetDescription:
-        from pytest_enginecheck.targets.engine_ref import plugins
+    def architectures(self, strict: bool = False) -> TargetDescription:
+        """The global registry with its plugins loaded (every check), or what the spec names: another registry (every
+        check) or a mapping (import and inspect)."""
         from pytest_enginecheck.targets.engine_ref.registry import resolve
 
-        errors = plugin_errors(self, plugins.load_plugins(strict)) if self.plugin_group else ()
         registry: Any
-        if self.plugin_group:  # its plugins were loaded one at a time above, so each failure is named and kept
+        if self.plugin_group:  # its plugins were loaded one at a time (describe), so each failure is named and kept
             from engine_ref.model_executor.models.registry import ModelRegistry
 
             kind, registry = "engine_ref", ModelRegistry
@@ -81,9 +79,7 @@ class EngineRefTarget(Target):
             entries = tuple(ArchEntry(arch, *value.split(":")) for arch, value in registry.items())
             unbuilt = tuple((c, MAPPING_REASON) for c in CHECKS if c not in (*MAPPING_CHECKS, "plugins"))
             offer = Offer(MAPPING_CHECKS, (("plugins", MAPPING_PLUGINS), *unbuilt))
-        listed = plugins.list_plugins() if self.plugin_group else ()
-        kept, kept_plugins = without_failed(entries, listed, errors)
-        return TargetDescription(self.spec, kind, kept, offer, kept_plugins, errors)
+        return TargetDescription(self.spec, kind, entries, offer)
 
     def check_settings(self, settings: Settings) -> None:
         """The quant check's methods must be engine_ref's."""

@@ -20,11 +20,12 @@ from pytest_enginecheck.targets.engine_ref.tiny_engine import start_engine, tiny
 
 def _too_big(ctx: CheckContext, shortfalls: list[str], detail: dict[str, Any]) -> CheckFailure:
     """The tiny checkpoint does not fit the budget check's device: the model's example_config is what to change."""
+    o = ctx.options
     return CheckFailure(
         f"The tiny checkpoint of {ctx.architecture} (made from its example_config) does not fit the budget check's "
         f"device at tensor_parallel_size={ctx.tp}: {'; '.join(shortfalls)}. Shrink example_config (fewer layers, a "
-        f"smaller hidden_size, intermediate_size or vocab_size) so the tiny model fits {ctx.budget_memory} per rank "
-        f"at gpu_memory_utilization={ctx.budget_utilization:g} and max_model_len={ctx.budget_max_model_len} "
+        f"smaller hidden_size, intermediate_size or vocab_size) so the tiny model fits {o.budget_memory} per rank "
+        f"at gpu_memory_utilization={o.budget_utilization:g} and max_model_len={o.budget_max_model_len} "
         f"(--enginecheck-budget-memory, --enginecheck-budget-utilization, --enginecheck-budget-max-model-len).",
         {**detail, "kind": "budget"})
 
@@ -52,21 +53,21 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     from engine_ref.memory.estimate import estimate_memory
     from engine_ref.utils import parse_size
 
+    o = ctx.options
     registry = engine_ref_registry(ctx.spec)
     ckpt = tiny_checkpoint(ctx, registry)
     verify_tp(ckpt, ctx.tp)
-    budget = parse_size(ctx.budget_memory)
-    detail: dict[str, Any] = {"tensor_parallel_size": ctx.tp, "budget": ctx.budget_memory,
-                              "gpu_memory_utilization": ctx.budget_utilization,
-                              "max_model_len": ctx.budget_max_model_len}
+    budget = parse_size(o.budget_memory)
+    detail: dict[str, Any] = {"tensor_parallel_size": ctx.tp, "budget": o.budget_memory,
+                              "gpu_memory_utilization": o.budget_utilization, "max_model_len": o.budget_max_model_len}
     try:
-        llm = start_engine(ctx, ckpt, ctx.tp, device_memory=ctx.budget_memory,
-                           gpu_memory_utilization=ctx.budget_utilization, max_model_len=ctx.budget_max_model_len)
+        llm = start_engine(ctx, ckpt, ctx.tp, device_memory=o.budget_memory,
+                           gpu_memory_utilization=o.budget_utilization, max_model_len=o.budget_max_model_len)
     except CheckFailure as e:  # start_engine's, with the engine's own error as its context
         refused = e.__context__
         if isinstance(refused, KVCacheTooSmallError) and refused.shortfall is not None:
-            raise _too_big(ctx, [describe_shortfall(refused.shortfall, budget, ctx.budget_max_model_len)],
-                           detail) from None
+            raise _too_big(ctx, [describe_shortfall(refused.shortfall, budget, o.budget_max_model_len)], detail
+                           ) from None
         raise
     with llm:
         report = llm.startup_report
@@ -74,15 +75,15 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     violations = budget_violations(report, budget)
     if violations:
         raise _too_big(ctx, violations, detail)
-    estimate = estimate_memory(ckpt, device_memory=ctx.budget_memory, tensor_parallel_size=ctx.tp,
-                               max_model_len=ctx.budget_max_model_len,
-                               gpu_memory_utilization=ctx.budget_utilization, registry=registry)
+    estimate = estimate_memory(ckpt, device_memory=o.budget_memory, tensor_parallel_size=ctx.tp,
+                               max_model_len=o.budget_max_model_len, gpu_memory_utilization=o.budget_utilization,
+                               registry=registry)
     comparison = compare_with_report(estimate, report)
     detail["estimate"] = estimate.to_dict()
     if not comparison.ok:
         raise CheckFailure(
             f"The meta-device estimate of {ctx.architecture} at tensor_parallel_size={ctx.tp} differs from what "
             f"the engine measured: {comparison.describe()}", {**detail, "kind": "estimate_mismatch"})
-    if ctx.device_memory:
-        detail["full_size"] = _full_size(ctx, registry, ctx.device_memory)
+    if o.device_memory:
+        detail["full_size"] = _full_size(ctx, registry, o.device_memory)
     return detail

@@ -23,16 +23,16 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     from engine_ref.isolation import ProcessTimeoutError
 
     registry = into_global_registry(*resolve(ctx.spec))
-    timeout = ctx.timeout * INSPECTION_SHARE
+    timeout = ctx.options.timeout * INSPECTION_SHARE
     try:
         info = registry.inspect_model_cls(ctx.architecture, timeout=timeout)
     except EngineRefError as e:
         hang = e.__cause__
         if isinstance(hang, ProcessTimeoutError):
             raise CheckFailure(
-                f"{subject(ctx)} did not finish within {ctx.timeout:g} s (--enginecheck-timeout): the registry's "
-                f"inspection child was killed after {timeout:g} s. Its Python stacks at that moment:\n"
+                f"{subject(ctx)} did not finish within {ctx.options.timeout:g} s (--enginecheck-timeout): the "
+                f"registry's inspection child was killed after {timeout:g} s. Its Python stacks at that moment:\n"
                 f"{hang.stacks or '(none could be read)'}",
-                {"kind": "timeout", "timeout_s": ctx.timeout, "stacks": hang.stacks}) from None
+                {"kind": "timeout", "timeout_s": ctx.options.timeout, "stacks": hang.stacks}) from None
         raise CheckFailure(str(e), {"kind": "inspection"}) from None
     return info.to_dict()

@@ -22,7 +22,7 @@ from pytest_enginecheck.targets.engine_ref.registry import engine_ref_registry
 from pytest_enginecheck.targets.engine_ref.tiny_engine import greedy, prompts, tiny_checkpoint, verify_tp
 
 if TYPE_CHECKING:
-    from pytest_enginecheck.targets.engine_ref.tp_diagnosis import Diagnosis
+    from pytest_enginecheck.targets.engine_ref.tp_explain import Diagnosis
 
 SEEDS = (0, 1)  # the engine's default seed, and the determinism run's other one
 DIAGNOSIS_MARGIN_S = 2.0  # of --enginecheck-timeout, kept for reporting after a diagnosis that timed out
@@ -40,15 +40,16 @@ def _diagnosis(ctx: CheckContext, ckpt: Any, prompt: list[int], started: bool = 
     ``since``: when the check started (time.monotonic()); the diagnosis gets only what is left of --enginecheck-timeout,
     so a start that hung (and would hang the diagnosis too) is reported in the engine's words, not as the check's
     own timeout."""
-    from pytest_enginecheck.targets.engine_ref.tp_diagnosis import Diagnosis, diagnose
+    from pytest_enginecheck.targets.engine_ref.tp_diagnosis import diagnose
+    from pytest_enginecheck.targets.engine_ref.tp_explain import Diagnosis
 
-    timeout = max(10.0, ctx.timeout * 0.4)
+    timeout = max(10.0, ctx.options.timeout * 0.4)
     if since is not None:
         spent = time.monotonic() - since
-        timeout = min(timeout, ctx.timeout - spent - DIAGNOSIS_MARGIN_S)
+        timeout = min(timeout, ctx.options.timeout - spent - DIAGNOSIS_MARGIN_S)
         if timeout < MIN_DIAGNOSIS_S:
-            return Diagnosis(f"The diagnosis was not run: the check had spent {spent:.0f} s of its {ctx.timeout:g} s "
-                             f"(--enginecheck-timeout), so it names no module.")
+            return Diagnosis(f"The diagnosis was not run: the check had spent {spent:.0f} s of its "
+                             f"{ctx.options.timeout:g} s (--enginecheck-timeout), so it names no module.")
     try:
         return diagnose(ctx.spec, ckpt, ctx.tp, prompt, timeout=timeout, started=started)
     except Exception as e:  # noqa: BLE001 - the check's own finding stands; the user learns why none was added
@@ -96,7 +97,7 @@ def verify_kv_cache(ctx: CheckContext, ckpt: Any, outputs: list[list[int]]) -> d
 
     vocab_prompts = [reference_prompt(ckpt, i) for i in range(len(outputs))]
     mismatch = kv_consistency.first_kv_mismatch(ctx.spec, ckpt, vocab_prompts, outputs, seed=SEEDS[0],
-                                                strict=ctx.strict)
+                                                strict=ctx.options.strict)
     if mismatch is None:
         return {"kv_cache_equals_recompute": True}
     if "cuda_access" in mismatch:  # the engine's workers build it unguarded: its own TP=1 build tells
@@ -154,8 +155,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
 
 def verify_same_forward(ctx: CheckContext, ckpt: Any, i: int) -> dict[str, Any]:
     """Fail when TP=N's greedy tokens equal TP=1's but one hooked prefill of prompt ``i`` does not end in TP=1's
-    hidden states (the output of the module that finishes last, whole on every rank, within tp_diagnosis's float32
-    tolerance); then tp_diagnosis names the first module that differs. Return the run's detail.
+    hidden states (the output of the module that finishes last, whole on every rank, within tp_compare's float32
+    tolerance); then tp_explain names the first module that differs. Return the run's detail.
 
     Equal tokens are a weak oracle for a tiny model, whose output distribution is nearly flat: a sharding bug that
     keeps every greedy token (a shard scaled by 1.01) still changes what the model computes. Only the final output
@@ -165,9 +166,11 @@ def verify_same_forward(ctx: CheckContext, ckpt: Any, i: int) -> dict[str, Any]:
     import torch
 
     from pytest_enginecheck.multirank import run_multirank
-    from pytest_enginecheck.targets.engine_ref.tp_diagnosis import ATOL, RTOL, capture, explain_tp
+    from pytest_enginecheck.targets.engine_ref.tp_diagnosis import capture
+    from pytest_enginecheck.targets.engine_ref.tp_explain import explain_tp
+    from pytest_enginecheck.tp_compare import ATOL, RTOL
 
-    prompt, timeout = reference_prompt(ckpt, i), max(10.0, ctx.timeout * 0.4)
+    prompt, timeout = reference_prompt(ckpt, i), max(10.0, ctx.options.timeout * 0.4)
     try:
         (one,) = run_multirank(capture, 1, ctx.spec, str(ckpt), prompt, timeout=timeout)
         ranks = run_multirank(capture, ctx.tp, ctx.spec, str(ckpt), prompt, timeout=timeout)

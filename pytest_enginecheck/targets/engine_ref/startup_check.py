@@ -22,15 +22,16 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     watch_only_this_engine(ctx.workdir)
     ckpt = tiny_checkpoint(ctx, engine_ref_registry(ctx.spec))
     reasons = []
-    for tp in sorted(ctx.tp_sizes, reverse=True):
+    for tp in sorted(ctx.options.tp_sizes, reverse=True):
         try:
             verify_tp(ckpt, tp)
             break
         except CheckSkip as e:
             reasons.append(str(e))
     else:
-        raise CheckSkip(f"no tensor_parallel_size of --enginecheck-tp={','.join(map(str, ctx.tp_sizes))} splits "
-                        f"{ctx.architecture}: " + " ".join(reasons))
+        sizes = ",".join(map(str, ctx.options.tp_sizes))
+        raise CheckSkip(f"no tensor_parallel_size of --enginecheck-tp={sizes} splits {ctx.architecture}: "
+                        + " ".join(reasons))
     before = ResourceSnapshot.take(watch=True)
     with start_engine(ctx, ckpt, tp) as llm:
         report = llm.startup_report

@@ -67,7 +67,7 @@ def start_engine(ctx: CheckContext, ckpt: Path, tp: int, **kwargs: Any) -> Any:
     from engine_ref.errors import EngineRefError
 
     options = {"device_memory": DEVICE_MEMORY, "max_model_len": MAX_MODEL_LEN,
-               "ready_timeout_s": max(1.0, ctx.timeout * 0.8), **kwargs}
+               "ready_timeout_s": max(1.0, ctx.options.timeout * 0.8), **kwargs}
     try:
         return LLM(str(ckpt), tensor_parallel_size=tp, **options)
     except EngineRefError as e:

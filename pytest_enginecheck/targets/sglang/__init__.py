@@ -19,16 +19,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from pytest_enginecheck.targets import (
-    ArchEntry,
-    CheckFunction,
-    Offer,
-    PluginLoader,
-    Target,
-    TargetDescription,
-    TargetError,
-    without_failed,
-)
+from pytest_enginecheck.registry_target import RegistryTarget
+from pytest_enginecheck.targets import ArchEntry, CheckFunction, Offer, PluginLoader, TargetDescription
 
 if TYPE_CHECKING:
     from pytest_enginecheck.targets.sglang.discovery import ModelModule
@@ -64,7 +56,7 @@ def architecture_entries(modules_by_package: list[list[ModelModule]]) -> tuple[A
     return tuple(entries.values())
 
 
-class SglangTarget(Target):
+class SglangTarget(RegistryTarget):
     """``--enginecheck-target=sglang``: SGLang's model package, and the out-of-tree one it is told to load."""
 
     name = "sglang"
@@ -74,28 +66,23 @@ class SglangTarget(Target):
     def offered(self) -> Offer:
         return Offer(CHECKS, REFUSED)
 
-    def describe(self, strict: bool = False) -> TargetDescription:
-        from pytest_enginecheck.checks.plugins_check import plugin_errors
-        from pytest_enginecheck.targets.sglang import plugins
-        from pytest_enginecheck.targets.sglang.discovery import IN_TREE_PACKAGE, DiscoveryError, discover
+    def architectures(self, strict: bool = False) -> TargetDescription:
+        """The modules of SGLang's own package and of the out-of-tree one, found from their sources."""
+        from pytest_enginecheck.targets.sglang.discovery import IN_TREE_PACKAGE, discover
         from pytest_enginecheck.targets.sglang.env import external_package
 
         package = external_package()
-        try:
-            found = [discover(IN_TREE_PACKAGE)]
-            if package:
-                found.append(discover(package))
-        except DiscoveryError as e:
-            raise TargetError(f"--enginecheck-target=sglang: {e}") from None
-        errors = plugin_errors(self, plugins.load_plugins(strict))
-        entries, listed = without_failed(architecture_entries(found), plugins.list_plugins(), errors)
-        return TargetDescription(self.spec, self.name, entries, self.offered(), listed, errors)
+        found = [discover(IN_TREE_PACKAGE)]
+        if package:
+            found.append(discover(package))
+        return TargetDescription(self.spec, self.name, architecture_entries(found), self.offered())
+
+    def unavailable(self) -> tuple[type[Exception], ...]:
+        from pytest_enginecheck.targets.sglang.discovery import DiscoveryError
+
+        return (DiscoveryError,)
 
     def check_function(self, check: str) -> CheckFunction:
-        if check == "plugins":
-            from pytest_enginecheck.checks.plugins_check import run
-
-            return run
         from pytest_enginecheck.targets.sglang.checks import CHECK_FUNCTIONS
 
         return CHECK_FUNCTIONS[check]

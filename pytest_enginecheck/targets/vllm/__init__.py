@@ -17,39 +17,46 @@ Importing this package imports neither torch nor vLLM.
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import TYPE_CHECKING
 
-from pytest_enginecheck.checks.plugins_check import plugin_errors
+from pytest_enginecheck.registry_target import RegistryTarget
 from pytest_enginecheck.targets import (
     ArchEntry,
     CheckFunction,
     Offer,
     PluginGroup,
     PluginLoader,
-    Target,
     TargetDescription,
     TargetError,
-    without_failed,
+    TargetOption,
 )
 
 if TYPE_CHECKING:
-    from pytest_enginecheck.options import Settings
+    from pytest_enginecheck.settings import Settings
 
 # The engine's own packages: strict mode does not blame a model for the CUDA queries made while they are imported
 # (see guard.CudaGuard).
 ENGINE_PACKAGES = ("vllm",)
 CHECKS = ("plugins", "import", "inspect")
 ENGINE_CHECKS = ("load", "budget", "startup", "lora", "quant")  # with a CPU build of vLLM
+INSPECT_MODES = ("fork", "subprocess")
+# --enginecheck-inspect: how the inspect check builds each ModelInfo (a check reads it as INSPECT.value(ctx.options))
+INSPECT = TargetOption(
+    "inspect", default="fork", choices=INSPECT_MODES,
+    help="how the vLLM target's inspect check builds each ModelInfo: 'fork' runs vLLM's own function for it in the "
+         "warm check process (fast), 'subprocess' vLLM's real inspection subprocess, a fresh interpreter per "
+         "architecture (full fidelity, ~15 s each) (default: fork)")
 
 
-class VllmTarget(Target):
+class VllmTarget(RegistryTarget):
     """``--enginecheck-target=vllm``: every registry entry after vLLM's general plugins loaded."""
 
     name = "vllm"
     label = "vLLM"
+    options = (INSPECT,)
     plugin_group = PluginGroup("vllm.general_plugins", "VLLM_PLUGINS")
     engine_packages = ENGINE_PACKAGES
+    quiet = True  # vLLM's log lines: shown only when describing fails
 
     def offered(self) -> Offer:
         """The engine checks where vLLM can start its CPU engine here (decided without importing vLLM)."""
@@ -72,33 +79,19 @@ class VllmTarget(Target):
             raise TargetError(f"--enginecheck-quant={','.join(settings.quant_methods)!r}: unknown method(s) "
                               f"{', '.join(unknown)} for the vLLM target; choose from {','.join(METHODS)}")
 
-    def describe(self, strict: bool = False) -> TargetDescription:
-        from pytest_enginecheck.targets.vllm.describe.plugins import list_plugins, load_plugins
+    def architectures(self, strict: bool = False) -> TargetDescription:
+        """Every entry of vLLM's registry (its general plugins loaded once, by ``describe``)."""
         from pytest_enginecheck.targets.vllm.describe.registry import list_architectures
-        from pytest_enginecheck.targets.vllm.env import output_into
+
+        entries = tuple(ArchEntry(e.architecture, e.module, e.class_name) for e in list_architectures(strict=strict))
+        return TargetDescription(self.spec, self.name, entries, self.offered())
+
+    def unavailable(self) -> tuple[type[Exception], ...]:
         from pytest_enginecheck.targets.vllm.probe import VllmUnavailable
 
-        with tempfile.TemporaryFile() as log:  # vLLM's log lines: shown only when describing fails
-            try:
-                with output_into(log.fileno()):
-                    found, plugins = list_architectures(strict=strict), list_plugins()
-                    errors = plugin_errors(self, load_plugins(strict=strict))  # loaded once, by list_architectures
-            except VllmUnavailable as e:
-                raise TargetError(f"--enginecheck-target=vllm: {e}") from None
-            except Exception as e:  # noqa: BLE001 - told with what vLLM printed
-                log.seek(0)
-                printed = log.read().decode(errors="replace").strip()[-4000:]
-                raise TargetError(f"--enginecheck-target=vllm could not be loaded: {type(e).__name__}: {e}"
-                                  + (f"\nIts output:\n{printed}" if printed else "")) from None
-        entries, listed = without_failed((ArchEntry(e.architecture, e.module, e.class_name) for e in found),
-                                         plugins, errors)
-        return TargetDescription(self.spec, self.name, entries, self.offered(), listed, errors)
+        return (VllmUnavailable,)
 
     def check_function(self, check: str) -> CheckFunction:
-        if check == "plugins":
-            from pytest_enginecheck.checks.plugins_check import run
-
-            return run
         from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
 
         return CHECK_FUNCTIONS[check]

@@ -4,9 +4,6 @@ go."""
 from __future__ import annotations
 
 import os
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,21 +34,3 @@ def cpu_engine_env(tp: int) -> dict[str, str]:
     bind = "|".join(str(ordered[rank % len(ordered)]) for rank in range(tp))
     return {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
             "VLLM_CPU_OMP_THREADS_BIND": bind, "HF_HUB_OFFLINE": "1"}
-
-
-@contextmanager
-def output_into(fd: int) -> Iterator[None]:
-    """File descriptors 1 and 2 into ``fd`` while the block runs (vLLM's log handlers write to fd 1)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    try:
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        yield
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for target, copy in zip((1, 2), saved, strict=True):
-            os.dup2(copy, target)
-            os.close(copy)

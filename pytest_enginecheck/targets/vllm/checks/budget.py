@@ -15,7 +15,7 @@ def run_budget(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
 
     ckpt, args = apart(ctx, engine_inputs)
     verify_tp(ckpt, ctx.tp)
-    budget = ctx.budget_memory  # --enginecheck-budget-memory: each rank's device size
+    budget = ctx.options.budget_memory  # --enginecheck-budget-memory: each rank's device size
     run = shared_run(ctx, ckpt, ctx.tp, mode, args)
     limit = parse_size(budget)
     over = [m for m in run.memory if m["needs"] > limit]

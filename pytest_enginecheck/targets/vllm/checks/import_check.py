@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure
+from pytest_enginecheck.targets.vllm import INSPECT
 from pytest_enginecheck.targets.vllm.checks.inspect_check import store_inspection_apart
 from pytest_enginecheck.targets.vllm.checks.steps import model_class, registry_entry
 
@@ -24,7 +25,7 @@ def run_import(ctx: CheckContext) -> dict[str, Any]:
         except CheckFailure as failure:
             failure.detail["import_profile"] = profiler.top(PROFILE_TOP, root=entry.module)
             raise
-    if ctx.inspect_mode == "fork":
+    if INSPECT.value(ctx.options) == "fork":
         store_inspection_apart(ctx, entry, model_cls)
     return {"module": entry.module, "class": entry.class_name, "registered_as": entry.registered_as,
             "import_profile": profiler.top(PROFILE_TOP, root=entry.module)}

@@ -11,6 +11,7 @@ from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure
 from pytest_enginecheck.checks.failures import cuda_failure
+from pytest_enginecheck.targets.vllm import INSPECT
 from pytest_enginecheck.targets.vllm.checks.steps import inspection_failure, model_class, registry_entry
 from pytest_enginecheck.targets.vllm.describe import registry
 
@@ -18,7 +19,7 @@ from pytest_enginecheck.targets.vllm.describe import registry
 def _inspect_fork(ctx: CheckContext, entry: registry.VllmArch, model_cls: type) -> dict[str, Any]:
     """The fork-mode inspect verdict for ``model_cls``: its ModelInfo, or the CheckFailure inspect fails with."""
     try:
-        info, accesses = registry.inspect_in_fork(model_cls, strict=ctx.strict)
+        info, accesses = registry.inspect_in_fork(model_cls, strict=ctx.options.strict)
     except Exception as e:  # noqa: BLE001 - the class's own error while vLLM inspects it
         raise inspection_failure(ctx, e) from None
     if accesses:
@@ -32,7 +33,7 @@ STORE_TIMEOUT_S = 15.0  # for the import check's fork building the inspect verdi
 def inspection_path(ctx: CheckContext) -> str:
     """Where the import check leaves the fork-mode inspect verdict of ``ctx``'s architecture, in the session's
     workdir (shared by its checks; each pytest-xdist worker and pytest-split shard has its own)."""
-    strict = "-strict" if ctx.strict else ""
+    strict = "-strict" if ctx.options.strict else ""
     return os.path.join(ctx.workdir, "vllm-inspect", f"{ctx.architecture}-fork{strict}.pickle")
 
 
@@ -46,7 +47,7 @@ def store_inspection_apart(ctx: CheckContext, entry: registry.VllmArch, model_cl
             _store_inspection(ctx, entry, model_cls)
         finally:
             os._exit(0)
-    deadline = time.monotonic() + min(STORE_TIMEOUT_S, ctx.timeout * 0.2)
+    deadline = time.monotonic() + min(STORE_TIMEOUT_S, ctx.options.timeout * 0.2)
     while not os.waitpid(pid, os.WNOHANG)[0]:
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
@@ -95,12 +96,12 @@ def _stored_inspection(ctx: CheckContext) -> dict[str, Any] | None:
 
 
 def run_inspect(ctx: CheckContext) -> dict[str, Any]:
-    """inspect: vLLM's ModelInfo, built in this warm fork (``ctx.inspect_mode`` "fork") or by vLLM's own
+    """inspect: vLLM's ModelInfo, built in this warm fork (``--enginecheck-inspect=fork``) or by vLLM's own
     subprocess ("subprocess"). A failure's first line starts with its cause (CI logs cut FAILED lines).
 
     In fork mode, the verdict the import check built after a clean import in this session's workdir is used as
     is; without one (the import failed, or ran in another worker or shard) this check imports by itself."""
-    mode = ctx.inspect_mode
+    mode = INSPECT.value(ctx.options)
     if mode == "fork" and (stored := _stored_inspection(ctx)) is not None:
         return stored
     entry = registry_entry(ctx)

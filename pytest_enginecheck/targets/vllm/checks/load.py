@@ -17,7 +17,7 @@ def _diagnosis(ctx: CheckContext, ckpt: str, i: int, mode: str) -> str:
     from pytest_enginecheck.targets.vllm.checks.diagnosis import diagnose
     from pytest_enginecheck.targets.vllm.engine.drive import prompts
 
-    return diagnose(ckpt, ctx.tp, prompts(vocab_size(ckpt))[i], mode, timeout=max(10.0, ctx.timeout * 0.4))
+    return diagnose(ckpt, ctx.tp, prompts(vocab_size(ckpt))[i], mode, timeout=max(10.0, ctx.options.timeout * 0.4))
 
 
 # How far TP=N's log-probabilities may be from TP=1's (float32 CPU). A clean model's differ only by summation order

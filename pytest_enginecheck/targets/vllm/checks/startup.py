@@ -16,7 +16,7 @@ def run_startup(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
     from pytest_enginecheck.leaks import ResourceSnapshot, wait_for_no_leaks, watch_only_this_engine
 
     ckpt, args = apart(ctx, engine_inputs)
-    tp = max(t for t in (*ctx.tp_sizes, 1) if t == 1 or fits(ckpt, t))
+    tp = max(t for t in (*ctx.options.tp_sizes, 1) if t == 1 or fits(ckpt, t))
     # vLLM binds ZeroMQ IPC sockets in (each rank's private dir in) TMPDIR: keep the path short of the
     # 107-byte socket limit by creating the check's private TMPDIR directly in /tmp.
     watch_only_this_engine("/tmp" if os.path.isdir("/tmp") else ctx.workdir)

@@ -27,7 +27,7 @@ T = TypeVar("T")
 
 def registry_entry(ctx: CheckContext) -> registry.VllmArch:
     redirect_caches(ctx.workdir)
-    entries = {e.architecture: e for e in registry.list_architectures(strict=ctx.strict)}
+    entries = {e.architecture: e for e in registry.list_architectures(strict=ctx.options.strict)}
     if ctx.architecture not in entries:
         raise CheckFailure(f"{ctx.architecture} is no longer in vLLM's registry (was its plugin removed?)",
                            {"kind": "missing_architecture"})
@@ -36,7 +36,7 @@ def registry_entry(ctx: CheckContext) -> registry.VllmArch:
 
 def model_class(ctx: CheckContext, entry: registry.VllmArch) -> type:
     """The architecture's class, imported and looked up under the guard; failures as the import check words them."""
-    result = registry.import_model_class(entry, strict=ctx.strict)
+    result = registry.import_model_class(entry, strict=ctx.options.strict)
     if result.accesses:  # a CUDA initialization before any (strict) query: it is the worse
         first = next((a for a in result.accesses if a.kind != "query"), result.accesses[0])
         raise cuda_failure(f"Importing {entry.module}", first, entry.module)
@@ -87,7 +87,8 @@ def apart(ctx: CheckContext, fn: Callable[[CheckContext], T]) -> T:
     broke vLLM CPU's Triton-kernel rebinding scan in every rank forked after it.)"""
     from engine_ref.isolation import run_isolated
 
-    return cast(T, run_isolated(fn, ctx, timeout=ctx.timeout, name=f"vllm-{fn.__name__.strip('_')}:{ctx.architecture}"))
+    return cast(T, run_isolated(fn, ctx, timeout=ctx.options.timeout,
+                                name=f"vllm-{fn.__name__.strip('_')}:{ctx.architecture}"))
 
 
 def engine_inputs(ctx: CheckContext) -> tuple[str, dict[str, Any]]:
@@ -127,7 +128,7 @@ def start_or_spawn(ctx: CheckContext, ckpt: str, tp: int, mode: str, engine_args
     again (a TP comparison's other size), which a process that ran vLLM's engine must not."""
     from engine_ref.isolation import run_isolated
 
-    timeout = max(10.0, ctx.timeout * 0.8)
+    timeout = max(10.0, ctx.options.timeout * 0.8)
     try:
         return run_engine(ckpt, tp, mode, timeout=timeout, engine_args=engine_args, work=work)
     except EngineStartError as e:

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import os
 
+from pytest_enginecheck.registry_target import output_into
 from pytest_enginecheck.targets.preloading import preload_under_guard
 from pytest_enginecheck.targets.vllm import ENGINE_PACKAGES
 from pytest_enginecheck.targets.vllm.describe.preload import PRELOAD_STRICT_VARIABLE, PRELOAD_VARIABLE
-from pytest_enginecheck.targets.vllm.env import output_into
 
 
 def preload(names: list[str], strict: bool = False) -> list[str]:

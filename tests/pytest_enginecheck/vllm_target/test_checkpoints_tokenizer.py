@@ -1,5 +1,6 @@
-"""The checker's tiny tokenizer (targets/vllm/tokenizer.py) without vLLM: transformers reads what it writes, the
-vocabulary fits the tiny config, the same bytes every time, and only the architectures vLLM reads one of get one."""
+"""The checker's tiny tokenizer (targets/vllm/checkpoints/tokenizer.py) without vLLM: transformers reads what it
+writes, the vocabulary fits the tiny config, the same bytes every time, and only the architectures vLLM reads one of
+get one."""
 
 from __future__ import annotations
 
