@@ -1,10 +1,12 @@
 """Merge the JSON reports of sharded runs into the one report a single run would have written.
 
 ``python -m pytest_enginecheck.report merge SHARD.json... --json OUT.json [--junitxml OUT.xml] [--html OUT.html]
-[--expect .test_durations]``: the shards (``--enginecheck-json`` of each pytest-split group, or of each CI
-machine) become one JSON report, one JUnit XML and one HTML page; the architecture x check table is printed,
-an item reported by two shards or by none is called out, and the exit status is the one a single run would
-have had (1 when a check failed or an item is missing, 5 when there are no results, 0 otherwise).
+[--expect .test_durations] [--baseline OLD.json]``: the shards (``--enginecheck-json`` of each pytest-split group, or
+of each CI machine) become one JSON report, one JUnit XML and one HTML page; the architecture x check table is
+printed, an item reported by two shards or by none is called out, and the exit status is the one a single run would
+have had (1 when a check failed or an item is missing, 5 when there are no results, 0 otherwise). With a baseline
+(an earlier ``--enginecheck-json`` report of the same target) its regressions are printed and the HTML page lists
+every change since it, regressions first (``report_diff.py``); the exit status does not depend on it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 from pytest_enginecheck.checks import CHECKS
 from pytest_enginecheck.report import REPORT_VERSION, summary_mode, summary_table, write_json
+from pytest_enginecheck.report_diff import Baseline, changes, changes_line, nodeid, plural
 
 RESULT_KEYS = ("arch", "check", "outcome", "duration_s", "phases", "message", "detail")
 OUTCOMES = ("passed", "failed", "skipped")
@@ -31,11 +34,6 @@ _NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]") 
 
 class MergeError(Exception):
     """A shard file that cannot be merged; the message names the file and what to change."""
-
-
-def nodeid(result: dict[str, Any]) -> str:
-    """The item's pytest node id, ``enginecheck::<arch>::<check>``."""
-    return f"enginecheck::{result['arch']}::{result['check']}"
 
 
 def _order(result: dict[str, Any]) -> tuple[str, int, str]:
@@ -139,6 +137,26 @@ def merge(paths: Sequence[str | Path], expect: set[str] | None = None) -> Merged
                   missing=sorted(wanted - kept.keys()))
 
 
+def read_baseline(path: str | Path, target: str) -> Baseline:
+    """``--baseline``: an earlier report of ``target`` (a file that is not one is a MergeError naming the option)."""
+    try:
+        baseline_target, results = read_shard(path)
+    except MergeError as e:
+        raise MergeError(f"--baseline {e}") from None
+    if baseline_target != target:
+        raise MergeError(f"--baseline {path}: its target is {baseline_target!r}, the shards' {target!r}; give an "
+                         f"earlier report of the same --enginecheck-target")
+    return Baseline(str(path), results)
+
+
+def baseline_lines(results: list[dict[str, Any]], baseline: Baseline) -> list[str]:
+    """The count of changes since ``baseline`` and one line per regression (the HTML page lists every change)."""
+    found = changes(results, baseline.results)
+    regressions = [c for c in found if c.kind == "regression"]
+    return [f"since the baseline {baseline.path}: {changes_line(found)}",
+            *(f"  regression: {c.item}: {c.text}" for c in regressions)]
+
+
 def _xml_text(text: str) -> str:
     return _NOT_XML.sub("\N{REPLACEMENT CHARACTER}", text)
 
@@ -186,6 +204,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--expect", metavar="DURATIONS",
                    help="pytest-split's durations file (or node ids, one a line): its check items no shard "
                         "reported are missing")
+    m.add_argument("--baseline", metavar="OLD.json",
+                   help="an earlier --enginecheck-json report of the same target: print its regressions, and list "
+                        "every change since it in the HTML page, regressions first")
     return p
 
 
@@ -194,6 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         merged = merge(args.shards, expected_nodeids(args.expect) if args.expect else None)
+        baseline = read_baseline(args.baseline, merged.target) if args.baseline else None
     except MergeError as e:
         print(f"enginecheck merge: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -202,13 +224,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line)
     for line in merged.notes():
         print(line)
+    for line in baseline_lines(merged.results, baseline) if baseline else []:
+        print(line)
     write_json(args.json, merged.target, merged.results)
     if args.junitxml:
         write_junit(args.junitxml, merged)
     if args.html:
         from pytest_enginecheck.html_report import write_html
 
-        write_html(args.html, merged.target, merged.results, merged.notes())
-    print(f"merged {len(args.shards)} shards: {len(merged.results)} items of target {merged.target!r}; "
-          f"exit status {merged.exit_status}")
+        write_html(args.html, merged.target, merged.results, merged.notes(), baseline)
+    print(f"merged {plural(len(args.shards), 'shard')}: {plural(len(merged.results), 'item')} of target "
+          f"{merged.target!r}; exit status {merged.exit_status}")
     return merged.exit_status

@@ -1,9 +1,11 @@
 """``python -m pytest_enginecheck.report merge``: duplicates and missing items called out, a single run's exit status,
-bad shard files refused with the file and the fix named. (The merge of a real split run: test_sharding.py.)"""
+bad shard files refused with the file and the fix named, a baseline's regressions printed. (The merge of a real split
+run: test_sharding.py.)"""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -96,3 +98,38 @@ def test_shards_of_two_targets_are_refused(tmp_path: Path) -> None:
     b = _shard(tmp_path / "b.json", _result("A", "import", "passed"), target="vllm")
     with pytest.raises(MergeError, match=r"its target is 'vllm', the others' 'zoo\.root_causes:REGISTRY'"):
         merge([a, b])
+
+
+def test_a_baseline_prints_the_regressions_and_the_page_lists_every_change(tmp_path: Path) -> None:
+    old = _shard(tmp_path / "old.json", _result("A", "import", "passed"), _result("A", "inspect", "failed", "no"))
+    new = _shard(tmp_path / "new.json", _result("A", "import", "failed", "Importing A touched CUDA"),
+                 _result("A", "inspect", "passed"))
+    out = _cli(new, "--json", str(tmp_path / "m.json"), "--html", str(tmp_path / "m.html"), "--baseline", old)
+    assert out.returncode == 1, out.stdout + out.stderr  # a single run's status: the baseline does not change it
+    assert f"since the baseline {old}: 1 regression, 1 improvement\n  regression: enginecheck::A::import: passed -> " \
+           f"failed\nmerged 1 shard: 2 items of target 'zoo.root_causes:REGISTRY'; exit status 1\n" in out.stdout
+    page = (tmp_path / "m.html").read_text()
+    found = re.search(r'<script type="application/json" id="data">(.*?)</script>', page)
+    assert found is not None, page[-2000:]
+    data = json.loads(found[1])
+    assert data["baseline"]["path"] == old
+    assert [(c["kind"], c["item"]) for c in data["baseline"]["changes"]] == [
+        ("regression", "enginecheck::A::import"), ("improvement", "enginecheck::A::inspect")]
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    (None, "cannot read it as a JSON report"),
+    ("[1, 2]", "not an --enginecheck-json report of version 1"),
+    (json.dumps({"version": 1, "target": "vllm", "results": []}),
+     "its target is 'vllm', the shards' 'zoo.root_causes:REGISTRY'; give an earlier report of the same"),
+])
+def test_a_baseline_that_is_not_a_report_of_the_target_is_refused_naming_it(tmp_path: Path, content: str | None,
+                                                                            says: str) -> None:
+    shard = _shard(tmp_path / "a.json", _result("A", "import", "passed"))
+    bad = tmp_path / "old.json"
+    if content is not None:
+        bad.write_text(content)
+    out = _cli(shard, "--json", str(tmp_path / "m.json"), "--baseline", str(bad))
+    assert (out.returncode, out.stdout) == (4, ""), out.stderr
+    assert out.stderr.startswith(f"enginecheck merge: error: --baseline {bad}: {says}"), out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "m.json").exists()
