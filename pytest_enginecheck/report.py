@@ -65,12 +65,43 @@ def summary_table(results: list[dict[str, Any]], mode: str = "all", others: Mapp
             f"{counts['skipped']} skipped{because}")
     rest = ", ".join(f"{n} {outcome}" for outcome, n in (others or {}).items() if n)
     lines.append(f"{line}; other tests: {rest}" if rest else line)
+    oracles = oracle_line(results)
+    if oracles:
+        lines.append(oracles)
     unknown = cache_unknown(results)
     if any(isinstance(r["detail"].get("cache"), dict) for r in results):
         lines.append(cache_line(cache_totals(results), unknown))
     elif unknown:
         lines.append(f"ModelInfo cache: cannot tell ({'; '.join(unknown)})")
     return lines
+
+
+ORACLE_ITEM = "load[tp=1]"  # the item whose detail says what the model's output was compared with
+ORACLE_WORDS = {"reference": "against a reference implementation",
+                "self": "self-consistency only (two seeds, KV cache against recomputing, TP sizes)",
+                "none": "compared with nothing (built, loaded and generated)"}
+NAMED = 4  # architectures named per oracle kind before "and N more"
+
+
+def _named(names: list[str]) -> str:
+    more = f" and {len(names) - NAMED} more" if len(names) > NAMED else ""
+    return ", ".join(names[:NAMED]) + more
+
+
+def oracle_line(results: list[dict[str, Any]]) -> str | None:
+    """What load[tp=1] held each architecture's output to (its detail's ``oracle``): a reference implementation
+    (named), self-consistency only, or nothing; None where no result says."""
+    by_kind: dict[str, list[str]] = {}
+    for r in sorted(results, key=lambda r: r["arch"]):
+        kind = r["detail"].get("oracle") if r["check"] == ORACLE_ITEM else None
+        if kind in ORACLE_WORDS:
+            reference = r["detail"].get("reference")
+            by_kind.setdefault(kind, []).append(f"{r['arch']} ({reference})" if reference else r["arch"])
+    if not by_kind:
+        return None
+    parts = [f"{len(names)} {ORACLE_WORDS[kind]}: {_named(names)}" for kind in ORACLE_WORDS
+             if (names := by_kind.get(kind))]
+    return f"{ORACLE_ITEM} oracle: " + "; ".join(parts)
 
 
 def cache_unknown(results: list[dict[str, Any]]) -> list[str]:
