@@ -52,10 +52,14 @@ TP_DIAGNOSIS = ("--enginecheck-target=zoo.tp_registry:REGISTRY", "--enginecheck-
 LORA_BUNDLED = ("--enginecheck-checks=lora", "-v")
 LORA_SHARD = ("--enginecheck-target=zoo.lora_models:REGISTRY", "--enginecheck-checks=load,lora")
 
+# load[tp=1]'s reference oracle over zoo.reference_registry: its planted bugs and clean twins (test_reference_oracle).
+REFERENCE = ("--enginecheck-target=zoo.reference_registry:REGISTRY", "--enginecheck-checks=import,inspect,load",
+             "--enginecheck-tp=1")
+
 # The sessions a module can name in its ZOO_SESSIONS: name -> arguments.
 SESSIONS: dict[str, tuple[str, ...]] = {"root-causes": ROOT_CAUSES, "planted": PLANTED, "quant": QUANT,
                                         "tp-diagnosis": TP_DIAGNOSIS, "lora-bundled": LORA_BUNDLED,
-                                        "lora-shard": LORA_SHARD}
+                                        "lora-shard": LORA_SHARD, "reference": REFERENCE}
 TIMEOUT = 900  # seconds a session may run
 
 # Starts argv[2:] in a session of its own, output to the log file argv[1], prints its pid and exits: the runner is

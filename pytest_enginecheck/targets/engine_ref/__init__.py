@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from importlib.util import find_spec
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -96,11 +97,13 @@ class EngineRefTarget(RegistryTarget):
         return function
 
     def warm_parent_modules(self, checks: tuple[str, ...], strict: bool = False) -> tuple[str, ...]:
-        """The inspect check's module (light: it imports no model), and torch._dynamo (~1 s) where a check runs the
+        """The inspect check's module (light: it imports no model); torch._dynamo (~1 s) where a check runs the
         memory estimate: its fake tensors run Python reference kernels, whose first call would import it in every
-        check child."""
+        check child; and transformers' modeling core (~2 s, dynamo with it) where load runs: its reference oracle
+        loads transformers' class of each architecture (reference.py), whose module then costs a child ~0.1 s."""
         estimates = ("torch._dynamo",) if set(checks) & set(ESTIMATE_CHECKS) else ()
-        return ("pytest_enginecheck.targets.engine_ref.inspect_check", *estimates)
+        references = ("transformers.modeling_utils",) if "load" in checks and find_spec("transformers") else ()
+        return ("pytest_enginecheck.targets.engine_ref.inspect_check", *estimates, *references)
 
     def cache_counts(self) -> dict[str, int] | None:
         """engine_ref's registry's lookups in this process; None when it is not loaded (a check that never looked

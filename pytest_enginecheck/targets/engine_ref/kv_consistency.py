@@ -18,7 +18,7 @@ from typing import Any
 TIE_RTOL = 1e-4  # of the largest |logit|: two tokens this close may swap between the cached and uncached paths
 
 
-def _load_tp1(spec: str, ckpt: Path, seed: int, guard: Any) -> Any:
+def load_tp1(spec: str, ckpt: Path, seed: int, guard: Any) -> Any:
     """The architecture's model at TP=1 on CPU, built and loaded as a worker does (no process group needed), under
     ``guard`` (a CudaGuard: what the build does with CUDA is recorded)."""
     import torch
@@ -72,7 +72,7 @@ def first_kv_mismatch(spec: str, ckpt: Path, prompts: list[list[int]], outputs: 
     guard = CudaGuard(strict=strict)
     try:
         with torch.random.fork_rng(devices=[]), torch.inference_mode():
-            model = _load_tp1(spec, ckpt, seed, guard)
+            model = load_tp1(spec, ckpt, seed, guard)
             if guard.accesses:
                 return cuda_in_build(guard)
             for i, (prompt, generated) in enumerate(zip(prompts, outputs, strict=True)):

@@ -133,6 +133,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     if ctx.tp == 1:
         detail.update(verify_deterministic(ctx, ckpt, outputs))
         detail.update(verify_kv_cache(ctx, ckpt, outputs))
+        detail.update(verify_reference(ctx, ckpt, outputs))
         return detail
     # The TP=1 reference runs under the other seed: equal to TP=N (under the engine's seed), it is also the
     # determinism check's second run, for free. Unequal, TP=1 under the engine's seed tells whether the model
@@ -151,6 +152,46 @@ def run(ctx: CheckContext) -> dict[str, Any]:
              "diagnosis": diagnosis.text})
     detail.update(verify_same_forward(ctx, ckpt, len(outputs) - 1))
     return detail
+
+
+def verify_reference(ctx: CheckContext, ckpt: Any, outputs: list[list[int]]) -> dict[str, Any]:
+    """Fail when the engine's TP=1 model and the architecture's reference implementation (``reference``) give other
+    log-probabilities on each prompt and the tokens the engine generated for it; return the run's detail, whose
+    ``oracle`` says what the model was held to."""
+    import torch
+
+    from pytest_enginecheck.guard import CudaGuard
+    from pytest_enginecheck.targets.engine_ref import reference
+    from pytest_enginecheck.targets.engine_ref.kv_consistency import load_tp1
+
+    try:
+        found = reference.find_reference(ctx.architecture, engine_ref_registry(ctx.spec).resolve_model_cls(
+            ctx.architecture))
+    except reference.ReferenceError as e:
+        raise CheckFailure(str(e), {"kind": "reference_declaration", "oracle": "reference"}) from None
+    if found is None:
+        return {"oracle": "self", "oracle_why": f"transformers has no class {ctx.architecture} and its class declares "
+                                                f"no {reference.REFERENCE_ATTRIBUTE}"}
+    sequences = [reference_prompt(ckpt, i) + out for i, out in enumerate(outputs)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.inference_mode():
+            model = load_tp1(ctx.spec, ckpt, SEEDS[0], CudaGuard(strict=ctx.options.strict))
+            ref = reference.load_reference(found, ckpt)
+            disagreement = reference.first_disagreement(model, ref, sequences)
+            if disagreement is not None:
+                module, compared = reference.first_differing_module(model, ref, sequences[disagreement.sequence])
+    finally:
+        torch.set_num_threads(threads)
+    detail = {"oracle": "reference", "reference": found.name}
+    if disagreement is None:
+        return detail
+    prompt_length = len(reference_prompt(ckpt, disagreement.sequence))
+    raise CheckFailure(
+        reference.describe(ctx.architecture, found, disagreement, module, compared, prompt_length),
+        {**detail, "kind": "reference_mismatch", "sequence": disagreement.sequence,
+         "position": disagreement.position, "difference": disagreement.difference, "module": module})
 
 
 def verify_same_forward(ctx: CheckContext, ckpt: Any, i: int) -> dict[str, Any]:

@@ -1,0 +1,248 @@
+"""load[tp=1]'s reference oracle: the engine's model against an implementation this project did not write.
+
+Every other comparison of the load check holds the model to itself (two seeds, the KV cache against recomputing,
+TP=N against TP=1), so a bug that is the same in every run passes them. Here the engine's TP=1 model (built and
+loaded as a worker does) and a reference implementation of the same architecture, loaded from the same tiny
+checkpoint, run the same token sequences (each prompt and the tokens the engine generated for it) in float32, and
+their log-probabilities at every position must agree within LOGPROB_TOLERANCE.
+
+The reference (``find_reference``) is what the model class declares in its ``enginecheck_reference`` attribute (a
+transformers class name, or ``"module:Class"`` of a modeling class of the author's: an attribute engine_ref never
+reads), else transformers' class of the architecture's own name. Never a base class of another architecture: a
+subclass that computes something else on purpose would fail against it. Without either, the architecture is held
+to self-consistency only, and its result says so (``oracle``).
+
+On a disagreement, both models are run once more with a hook on every module whose name they share (engine_ref
+keeps Hugging Face's module names) and the first module whose input agrees and whose output does not is named:
+the module where the two computations part. vLLM's residual-stream convention (a decoder layer or a fused norm
+returning ``(hidden_states, residual)``) is matched by comparing the sum of the returned tensors too.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REFERENCE_ATTRIBUTE = "enginecheck_reference"
+# Two correct float32 implementations differ only in the order of their sums: measured on the bundled zoo's tiny
+# checkpoints at most 2.6e-6 (Qwen3-MoE; 0 for the others), in log-probability at any position and token of the load
+# check's sequences (benchmarks/reference_oracle.py prints it). The tolerance is 38x that, and 3,900x below the
+# smallest largest difference of tests/plugin_zoo/zoo/planted_reference.py's bugs (a norm weight reset after
+# loading: 0.39).
+LOGPROB_TOLERANCE = 1e-4
+MODULE_ATOL, MODULE_RTOL = 1e-4, 1e-3  # a hooked module's output, as the TP diagnosis compares them
+
+
+class ReferenceError(Exception):
+    """The reference a model class declares cannot be loaded; the message names the value and the fix."""
+
+
+@dataclass(frozen=True)
+class Reference:
+    """An architecture's reference implementation: a transformers-style model class (``from_pretrained``)."""
+
+    name: str  # as the verdict says it: "transformers' LlamaForCausalLM", "the declared mypkg.ref:MyLlama"
+    cls: Any  # a model class with from_pretrained
+
+
+def find_reference(architecture: str, model_cls: type) -> Reference | None:
+    """The reference the class declares (``enginecheck_reference``), else transformers' class named
+    ``architecture``; None where there is neither. ReferenceError for a declaration that does not resolve."""
+    declared = getattr(model_cls, REFERENCE_ATTRIBUTE, None)
+    if declared is not None:
+        return _declared(architecture, declared)
+    try:
+        import transformers
+    except ImportError:
+        return None
+    try:
+        found = getattr(transformers, architecture, None)
+    except Exception:  # noqa: BLE001 - transformers' lazy import of that modeling module failed: no reference here
+        return None
+    return Reference(f"transformers' {architecture}", found) if isinstance(found, type) else None
+
+
+def _declared(architecture: str, value: object) -> Reference:
+    fix = (f"set {REFERENCE_ATTRIBUTE} on {architecture}'s class to a transformers class name (\"LlamaForCausalLM\") "
+           f"or to \"module:Class\" of a model class with from_pretrained")
+    if isinstance(value, type):
+        return Reference(f"the declared {value.__module__}.{value.__qualname__}", value)
+    if not isinstance(value, str) or not value:
+        raise ReferenceError(f"{architecture}.{REFERENCE_ATTRIBUTE} = {value!r}: {fix}")
+    module, _, name = value.rpartition(":")
+    try:
+        found = getattr(importlib.import_module(module or "transformers"), name, None)
+    except Exception as e:  # noqa: BLE001 - told with the declaration that named it
+        raise ReferenceError(f"{architecture}.{REFERENCE_ATTRIBUTE} = {value!r} cannot be imported "
+                             f"({type(e).__name__}: {e}): {fix}") from None
+    if not isinstance(found, type) or not hasattr(found, "from_pretrained"):
+        raise ReferenceError(f"{architecture}.{REFERENCE_ATTRIBUTE} = {value!r} is not a model class: {fix}")
+    where = "transformers'" if not module else "the declared"
+    return Reference(f"{where} {value if module else name}", found)
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    """Where the engine's log-probabilities left the reference's: the sequence, its position, by how much."""
+
+    sequence: int
+    position: int
+    difference: float
+    largest: float  # over every position of every sequence compared
+
+
+def load_reference(reference: Reference, ckpt: Path) -> Any:
+    """The reference model of the checkpoint at ``ckpt``, float32, eager attention, in eval mode (transformers'
+    progress bar and load report silenced: what the reference did not load shows in its outputs)."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        try:
+            model = reference.cls.from_pretrained(str(ckpt), dtype=torch.float32, attn_implementation="eager")
+        except TypeError:  # a model class of the author's that takes neither keyword
+            model = reference.cls.from_pretrained(str(ckpt))
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    return model.float().eval()
+
+
+def engine_logprobs(model: Any, tokens: list[int]) -> Any:
+    """The engine model's log-probabilities at every position of ``tokens``, in one forward without a KV cache."""
+    import torch
+
+    from engine_ref.model_executor.forward_context import AttentionMetadata, set_forward_context
+
+    input_ids = torch.tensor(tokens, dtype=torch.long)
+    with set_forward_context(AttentionMetadata(query_start_loc=[0, len(tokens)], seq_lens=[len(tokens)])):
+        hidden_states = model(input_ids, torch.arange(len(tokens)))
+    return torch.log_softmax(model.compute_logits(hidden_states).float(), dim=-1)
+
+
+def reference_logprobs(model: Any, tokens: list[int]) -> Any:
+    """The reference's log-probabilities at every position of ``tokens``."""
+    import torch
+
+    logits = model(input_ids=torch.tensor([tokens], dtype=torch.long)).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def first_disagreement(model: Any, ref: Any, sequences: list[list[int]]) -> Disagreement | None:
+    """None when the two models' log-probabilities agree within LOGPROB_TOLERANCE at every position of every
+    sequence (over the reference's vocabulary); else the first position where they do not."""
+    first: tuple[int, int, float] | None = None
+    largest = 0.0
+    for i, tokens in enumerate(sequences):
+        ours, theirs = engine_logprobs(model, tokens), reference_logprobs(ref, tokens)
+        vocab = min(ours.shape[-1], theirs.shape[-1])
+        per_position = (ours[:, :vocab] - theirs[:, :vocab]).abs().amax(dim=-1)
+        largest = max(largest, float(per_position.max()))
+        over = (per_position > LOGPROB_TOLERANCE).nonzero()
+        if first is None and len(over):
+            position = int(over[0, 0])
+            first = (i, position, float(per_position[position]))
+    return None if first is None else Disagreement(*first, largest)
+
+
+def _float_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    import torch
+
+    values = [*args, *kwargs.values()]
+    return [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+
+
+def _readings(values: list[Any]) -> list[Any]:
+    """What a hooked call's tensors are compared by: the first one, and the sum of those of its shape (a decoder
+    layer or fused norm of the residual-stream convention returns ``(hidden_states, residual)``)."""
+    if not values:
+        return []
+    same = [v for v in values if v.shape == values[0].shape]
+    return [values[0]] + ([sum(same[1:], same[0])] if len(same) > 1 else [])
+
+
+class _Recorder:
+    """Forward hooks on the named modules: each one's first call, its input and output readings (detached)."""
+
+    def __init__(self, model: Any, names: set[str]) -> None:
+        self.order: list[str] = []
+        self.inputs: dict[str, list[Any]] = {}
+        self.outputs: dict[str, list[Any]] = {}
+        self._handles = []
+        for name, module in model.named_modules():
+            if name in names:
+                self._handles.append(module.register_forward_pre_hook(self._enter(name), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(self._leave(name)))
+
+    def _enter(self, name: str) -> Any:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self.inputs.setdefault(name, [t.detach().clone() for t in _readings(_float_tensors(args, kwargs))])
+        return hook
+
+    def _leave(self, name: str) -> Any:
+        def hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
+            if name in self.outputs:
+                return
+            values = list(output) if isinstance(output, (tuple, list)) else [output]
+            self.outputs[name] = [t.detach().clone() for t in _readings(_float_tensors(tuple(values), {}))]
+            self.order.append(name)
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _agree(ours: list[Any], theirs: list[Any]) -> bool | None:
+    """Whether some reading of the engine's equals the reference's first (None: nothing comparable)."""
+    import torch
+
+    if not ours or not theirs:
+        return None
+    want = theirs[0].reshape(-1, theirs[0].shape[-1]) if theirs[0].dim() else theirs[0]
+    comparable = [o.reshape(want.shape) for o in ours if o.numel() == want.numel()]
+    if not comparable:
+        return None
+    return any(torch.allclose(o.float(), want.float(), atol=MODULE_ATOL, rtol=MODULE_RTOL) for o in comparable)
+
+
+def first_differing_module(model: Any, ref: Any, tokens: list[int]) -> tuple[str | None, int]:
+    """The first module (in the order the reference's calls finish) whose input agrees with the reference's and
+    whose output does not, over one run of ``tokens``; and how many modules were compared."""
+    shared = {name for name, _ in model.named_modules()} & {name for name, _ in ref.named_modules()} - {""}
+    ours, theirs = _Recorder(model, shared), _Recorder(ref, shared)
+    try:
+        engine_logprobs(model, tokens)
+        reference_logprobs(ref, tokens)
+    finally:
+        ours.remove()
+        theirs.remove()
+    compared = [name for name in theirs.order if name in ours.outputs]
+    for name in compared:
+        if _agree(ours.outputs[name], theirs.outputs[name]) is False and \
+                _agree(ours.inputs.get(name, []), theirs.inputs.get(name, [])):
+            return name, len(compared)
+    return None, len(compared)
+
+
+def describe(architecture: str, reference: Reference, found: Disagreement, module: str | None, compared: int,
+             prompt_length: int) -> str:
+    """The disagreement in words: where the engine's output left the reference's, by how much, and where to look."""
+    where = (f"prompt token {found.position}" if found.position < prompt_length else
+             f"generated token {found.position - prompt_length}")
+    at = (f"The first module whose input agrees with {reference.name}'s and whose output does not is {module}: "
+          f"open its code (and the weights its load_weights gives it)." if module is not None else
+          f"Of the {compared} modules both name alike, none's output differs where its input agrees: the logits "
+          f"part after them (compute_logits, lm_head: is it tied as config.json's tie_word_embeddings says?)"
+          if compared else "The two models name no module alike, so no module is named.")
+    return (f"{architecture} at tensor_parallel_size=1 does not compute what {reference.name} computes on the same "
+            f"tiny checkpoint (float32): on sequence {found.sequence}, its log-probabilities after {where} (position "
+            f"{found.position}) differ by {found.difference:.3g}, above the tolerance {LOGPROB_TOLERANCE:g} (largest "
+            f"difference {found.largest:.3g}). Seeds, the KV cache and TP sizes cannot see this: it is the same in "
+            f"every run. {at}")
