@@ -28,6 +28,7 @@ def main() -> None:
     from engine_ref import ModelRegistry
     from engine_ref.entrypoints.llm import LLM
     from engine_ref.model_executor.model_loader.checkpoint import make_checkpoint
+    from pytest_enginecheck import reference as lookup
     from pytest_enginecheck.guard import CudaGuard
     from pytest_enginecheck.targets.engine_ref import reference
     from pytest_enginecheck.targets.engine_ref.kv_consistency import load_tp1
@@ -40,7 +41,7 @@ def main() -> None:
             engine_ref_registry(spec)
             for arch in registry.models:
                 ckpt = make_checkpoint(arch, Path(tmp) / arch, registry=registry)
-                found = reference.find_reference(arch, registry.resolve_model_cls(arch))
+                found = lookup.find_reference(arch, registry.resolve_model_cls(arch))
                 if found is None:
                     print(f"{arch:40} {'-':>18} {'-':>11} {'-':>7}  none (self-consistency only)")
                     continue
@@ -48,7 +49,7 @@ def main() -> None:
                     vocab = llm.engine.config.model_config.hf_text_config.vocab_size
                     outputs = llm.generate(prompts(vocab), max_tokens=MAX_TOKENS, ignore_eos=True)
                 start = time.perf_counter()
-                ref = reference.load_reference(found, ckpt)
+                ref = lookup.load_reference(found, ckpt)
                 seconds = time.perf_counter() - start
                 with torch.inference_mode():
                     model = load_tp1(spec, ckpt, 0, CudaGuard())

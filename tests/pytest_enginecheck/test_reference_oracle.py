@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from pytest_enginecheck import reference as lookup
 from pytest_enginecheck.targets.engine_ref import reference
 from tests.zoo_sessions import REFERENCE, ZooSession, zoo_session
 
@@ -76,8 +77,8 @@ class _Declares:
     ("transformers:MistralForCausalLM", "the declared transformers:MistralForCausalLM"),
 ])
 def test_the_reference_is_the_declared_one_else_the_architectures_own(declared: Any, found: str) -> None:
-    cls = type("Model", (), {reference.REFERENCE_ATTRIBUTE: declared} if declared else {})
-    assert reference.find_reference("LlamaForCausalLM", cls).name == found
+    cls = type("Model", (), {lookup.REFERENCE_ATTRIBUTE: declared} if declared else {})
+    assert lookup.find_reference("LlamaForCausalLM", cls).name == found
 
 
 def test_a_subclass_of_another_architecture_gets_no_reference_from_its_base() -> None:
@@ -86,15 +87,15 @@ def test_a_subclass_of_another_architecture_gets_no_reference_from_its_base() ->
     class MyLlama(transformers.LlamaForCausalLM):  # its engine_ref class is nothing transformers names
         pass
 
-    assert reference.find_reference("MyLlamaForCausalLM", MyLlama) is None
+    assert lookup.find_reference("MyLlamaForCausalLM", MyLlama) is None
 
 
 @pytest.mark.parametrize("declared", ["NoSuchClassForCausalLM", "no_such_module:Model", "json:dumps", 3])
 def test_a_declaration_that_does_not_resolve_names_the_value_and_the_fix(declared: Any) -> None:
-    cls = type("Model", (), {reference.REFERENCE_ATTRIBUTE: declared})
-    with pytest.raises(reference.ReferenceError, match=rf"MyArch\.enginecheck_reference = {declared!r}.*: set "
+    cls = type("Model", (), {lookup.REFERENCE_ATTRIBUTE: declared})
+    with pytest.raises(lookup.ReferenceDeclarationError, match=rf"MyArch\.enginecheck_reference = {declared!r}.*: set "
                                                          rf"enginecheck_reference on MyArch's class"):
-        reference.find_reference("MyArch", cls)
+        lookup.find_reference("MyArch", cls)
 
 
 def test_a_module_is_named_only_where_its_input_agrees_and_its_output_does_not() -> None:

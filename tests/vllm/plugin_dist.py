@@ -241,6 +241,35 @@ class EctpScaledShardForCausalLM(LlamaForCausalLM):
         return super().load_weights((name, _rank1_scaled(name, w)) for name, w in weights)
 '''
 
+# Issue 31, load[tp=1]'s reference oracle on vLLM: a Llama whose layer 1 input norm is applied with a weight 1 %
+# too large (the same at every TP size, seed and run: only a comparison with transformers' Llama, the reference it
+# declares, sees it), and its clean twin that declares the same reference.
+ENTRY_POINTS["reference_bug"] = "ectp.reference_bug:register"
+SOURCES["ectp/reference_bug.py"] = '''\
+def register():
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model("EctpNormScaleForCausalLM", "ectp.models.reference_bug:EctpNormScaleForCausalLM")
+    ModelRegistry.register_model("EctpRefTwinForCausalLM", "ectp.models.reference_bug:EctpRefTwinForCausalLM")
+'''
+SOURCES["ectp/models/reference_bug.py"] = _LLAMA + '''\
+def _norm_scaled(name, weight):
+    if name == "model.layers.1.input_layernorm.weight":
+        return weight * 1.01
+    return weight
+
+
+class EctpNormScaleForCausalLM(LlamaForCausalLM):
+    enginecheck_reference = "LlamaForCausalLM"
+
+    def load_weights(self, weights):
+        return super().load_weights((name, _norm_scaled(name, w)) for name, w in weights)
+
+
+class EctpRefTwinForCausalLM(LlamaForCausalLM):
+    enginecheck_reference = "LlamaForCausalLM"
+'''
+
 # Issue 19 item 3, the lora check on vLLM: two LoRA bugs in layer 1, each of a Llama whose base weights load as they
 # should. lora_swap: the model's hf_to_vllm_mapper (which, for Llama, vLLM applies to LoRA adapter names only) sends
 # layer 1's gate_proj adapter to up_proj and the reverse: the same at every TP size, so only transformers + PEFT

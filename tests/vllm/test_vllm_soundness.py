@@ -8,13 +8,13 @@ from pytest_enginecheck.checks import CheckContext, CheckFailure
 from pytest_enginecheck.settings import Settings
 
 
-def _load(workdir: str, architecture: str, tp: int) -> Any:
+def _load(workdir: str, architecture: str, tp: int, plugins: str = "clean,layer1_shard") -> Any:
     """load[tp=N] of ``architecture`` from the test plugins: the passing detail, or (message, detail) of the failure."""
     import os
 
     from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
 
-    os.environ["VLLM_PLUGINS"] = "clean,layer1_shard"
+    os.environ["VLLM_PLUGINS"] = plugins
     ctx = CheckContext(check="load", spec="vllm", architecture=architecture, module="", class_name="",
                        workdir=workdir, tp=tp, options=Settings(budget_memory="512MiB", timeout=300.0))
     try:
@@ -41,6 +41,23 @@ def test_load_tp2_passes_the_clean_twin_without_a_diagnosis(in_child: Any, tmp_p
     detail = in_child(_load, str(tmp_path), "EctpCleanForCausalLM", 2)
     assert isinstance(detail, dict), detail
     assert "diagnosis" not in detail and detail["tensor_parallel_size"] == 2
+
+
+def test_load_tp1_holds_a_model_to_the_reference_it_declares(in_child: Any, tmp_path: Any) -> None:
+    """A norm weight 1 % too large in layer 1, the same in every run, fails load[tp=1] against transformers' Llama
+    (the reference the class declares); its clean twin passes held to it, and vLLM's own Llama to its own name's."""
+    bug = in_child(_load, str(tmp_path), "EctpNormScaleForCausalLM", 1, plugins="reference_bug")
+    assert isinstance(bug, tuple), bug
+    message, detail = bug
+    assert message.startswith("EctpNormScaleForCausalLM at tensor_parallel_size=1 does not compute what "
+                              "transformers' LlamaForCausalLM computes on the same tiny checkpoint"), message
+    assert detail["kind"] == "reference_mismatch" and detail["oracle"] == "reference"
+    twin = in_child(_load, str(tmp_path), "EctpRefTwinForCausalLM", 1, plugins="reference_bug")
+    assert isinstance(twin, dict), twin
+    assert twin["oracle"] == "reference" and twin["reference"] == "transformers' LlamaForCausalLM"
+    assert twin["max_reference_difference"] < 1e-5
+    llama = in_child(_load, str(tmp_path), "LlamaForCausalLM", 1, plugins="reference_bug")
+    assert isinstance(llama, dict) and llama["reference"] == "transformers' LlamaForCausalLM", llama
 
 
 def _captures(tp: int, modules: dict[str, tuple[dict[str, Any], Any, list[Any]]]) -> tuple[Any, list[Any]]:

@@ -161,24 +161,24 @@ def verify_reference(ctx: CheckContext, ckpt: Any, outputs: list[list[int]]) -> 
     import torch
 
     from pytest_enginecheck.guard import CudaGuard
+    from pytest_enginecheck.reference import REFERENCE_ATTRIBUTE, ReferenceDeclarationError, find_reference, load_reference
     from pytest_enginecheck.targets.engine_ref import reference
     from pytest_enginecheck.targets.engine_ref.kv_consistency import load_tp1
 
     try:
-        found = reference.find_reference(ctx.architecture, engine_ref_registry(ctx.spec).resolve_model_cls(
-            ctx.architecture))
-    except reference.ReferenceError as e:
+        found = find_reference(ctx.architecture, engine_ref_registry(ctx.spec).resolve_model_cls(ctx.architecture))
+    except ReferenceDeclarationError as e:
         raise CheckFailure(str(e), {"kind": "reference_declaration", "oracle": "reference"}) from None
     if found is None:
         return {"oracle": "self", "oracle_why": f"transformers has no class {ctx.architecture} and its class declares "
-                                                f"no {reference.REFERENCE_ATTRIBUTE}"}
+                                                f"no {REFERENCE_ATTRIBUTE}"}
     sequences = [reference_prompt(ckpt, i) + out for i, out in enumerate(outputs)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.random.fork_rng(devices=[]), torch.inference_mode():
             model = load_tp1(ctx.spec, ckpt, SEEDS[0], CudaGuard(strict=ctx.options.strict))
-            ref = reference.load_reference(found, ckpt)
+            ref = load_reference(found, ckpt)
             disagreement = reference.first_disagreement(model, ref, sequences)
             if disagreement is not None:
                 module, compared = reference.first_differing_module(model, ref, sequences[disagreement.sequence])

@@ -6,11 +6,9 @@ loaded as a worker does) and a reference implementation of the same architecture
 checkpoint, run the same token sequences (each prompt and the tokens the engine generated for it) in float32, and
 their log-probabilities at every position must agree within LOGPROB_TOLERANCE.
 
-The reference (``find_reference``) is what the model class declares in its ``enginecheck_reference`` attribute (a
-transformers class name, or ``"module:Class"`` of a modeling class of the author's: an attribute engine_ref never
-reads), else transformers' class of the architecture's own name. Never a base class of another architecture: a
-subclass that computes something else on purpose would fail against it. Without either, the architecture is held
-to self-consistency only, and its result says so (``oracle``).
+The reference is ``pytest_enginecheck.reference.find_reference``'s: what the model class declares
+(``enginecheck_reference``), else transformers' class of the architecture's own name; without one, the
+architecture is held to self-consistency only, and its result says so (``oracle``).
 
 On a disagreement, both models are run once more with a hook on every module whose name they share (engine_ref
 keeps Hugging Face's module names) and the first module whose input agrees and whose output does not is named:
@@ -20,12 +18,11 @@ returning ``(hidden_states, residual)``) is matched by comparing the sum of the 
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-REFERENCE_ATTRIBUTE = "enginecheck_reference"
+from pytest_enginecheck.reference import Reference
+
 # Two correct float32 implementations differ only in the order of their sums: measured on the bundled zoo's tiny
 # checkpoints at most 2.6e-6 (Qwen3-MoE; 0 for the others), in log-probability at any position and token of the load
 # check's sequences (benchmarks/reference_oracle.py prints it). The tolerance is 38x that, and 3,900x below the
@@ -33,54 +30,6 @@ REFERENCE_ATTRIBUTE = "enginecheck_reference"
 # loading: 0.39).
 LOGPROB_TOLERANCE = 1e-4
 MODULE_ATOL, MODULE_RTOL = 1e-4, 1e-3  # a hooked module's output, as the TP diagnosis compares them
-
-
-class ReferenceError(Exception):
-    """The reference a model class declares cannot be loaded; the message names the value and the fix."""
-
-
-@dataclass(frozen=True)
-class Reference:
-    """An architecture's reference implementation: a transformers-style model class (``from_pretrained``)."""
-
-    name: str  # as the verdict says it: "transformers' LlamaForCausalLM", "the declared mypkg.ref:MyLlama"
-    cls: Any  # a model class with from_pretrained
-
-
-def find_reference(architecture: str, model_cls: type) -> Reference | None:
-    """The reference the class declares (``enginecheck_reference``), else transformers' class named
-    ``architecture``; None where there is neither. ReferenceError for a declaration that does not resolve."""
-    declared = getattr(model_cls, REFERENCE_ATTRIBUTE, None)
-    if declared is not None:
-        return _declared(architecture, declared)
-    try:
-        import transformers
-    except ImportError:
-        return None
-    try:
-        found = getattr(transformers, architecture, None)
-    except Exception:  # noqa: BLE001 - transformers' lazy import of that modeling module failed: no reference here
-        return None
-    return Reference(f"transformers' {architecture}", found) if isinstance(found, type) else None
-
-
-def _declared(architecture: str, value: object) -> Reference:
-    fix = (f"set {REFERENCE_ATTRIBUTE} on {architecture}'s class to a transformers class name (\"LlamaForCausalLM\") "
-           f"or to \"module:Class\" of a model class with from_pretrained")
-    if isinstance(value, type):
-        return Reference(f"the declared {value.__module__}.{value.__qualname__}", value)
-    if not isinstance(value, str) or not value:
-        raise ReferenceError(f"{architecture}.{REFERENCE_ATTRIBUTE} = {value!r}: {fix}")
-    module, _, name = value.rpartition(":")
-    try:
-        found = getattr(importlib.import_module(module or "transformers"), name, None)
-    except Exception as e:  # noqa: BLE001 - told with the declaration that named it
-        raise ReferenceError(f"{architecture}.{REFERENCE_ATTRIBUTE} = {value!r} cannot be imported "
-                             f"({type(e).__name__}: {e}): {fix}") from None
-    if not isinstance(found, type) or not hasattr(found, "from_pretrained"):
-        raise ReferenceError(f"{architecture}.{REFERENCE_ATTRIBUTE} = {value!r} is not a model class: {fix}")
-    where = "transformers'" if not module else "the declared"
-    return Reference(f"{where} {value if module else name}", found)
 
 
 @dataclass(frozen=True)
@@ -91,27 +40,6 @@ class Disagreement:
     position: int
     difference: float
     largest: float  # over every position of every sequence compared
-
-
-def load_reference(reference: Reference, ckpt: Path) -> Any:
-    """The reference model of the checkpoint at ``ckpt``, float32, eager attention, in eval mode (transformers'
-    progress bar and load report silenced: what the reference did not load shows in its outputs)."""
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        try:
-            model = reference.cls.from_pretrained(str(ckpt), dtype=torch.float32, attn_implementation="eager")
-        except TypeError:  # a model class of the author's that takes neither keyword
-            model = reference.cls.from_pretrained(str(ckpt))
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-    return model.float().eval()
 
 
 def engine_logprobs(model: Any, tokens: list[int]) -> Any:

@@ -7,6 +7,7 @@ from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
 from pytest_enginecheck.targets.vllm.checks.steps import apart, engine_inputs, shared_run, verify_tp
+from pytest_enginecheck.targets.vllm.engine.drive import EngineRun
 from pytest_enginecheck.targets.vllm.engine.dtype import MLA_DTYPE
 from pytest_enginecheck.targets.vllm.env import ENGINE_ARGS
 
@@ -54,6 +55,48 @@ def tp_comparison_skipped(architecture: str, tp: int, dtype: str) -> str | None:
             f"rounding alone can move log-probabilities past that bound and flip near-tie greedy tokens")
 
 
+def verify_reference(ctx: CheckContext, ckpt: str, run: EngineRun, dtype: str) -> dict[str, Any]:
+    """load[tp=1]'s oracle (``reference``): vLLM's log-probabilities on its generated tokens equal those of the
+    architecture's reference implementation within ORACLE_TOLERANCE, else a CheckFailure naming where; the detail
+    says what the model was held to (``oracle``: ``reference`` and which, or ``none`` and why)."""
+    from pytest_enginecheck.reference import REFERENCE_ATTRIBUTE, ReferenceDeclarationError, find_reference
+    from pytest_enginecheck.targets.vllm.checkpoints.args import checkpoint_args
+    from pytest_enginecheck.targets.vllm.checkpoints.reading import vocab_size
+    from pytest_enginecheck.targets.vllm.checks.reference import ORACLE_TOLERANCE, oracle_difference, reference_model
+    from pytest_enginecheck.targets.vllm.checks.steps import model_class, registry_entry
+    from pytest_enginecheck.targets.vllm.engine.drive import prompts
+
+    try:
+        found = find_reference(ctx.architecture, model_class(ctx, registry_entry(ctx)))
+    except ReferenceDeclarationError as e:
+        raise CheckFailure(str(e), {"kind": "reference_declaration", "oracle": "reference"}) from None
+    why = (f"transformers has no class {ctx.architecture} and vLLM's class declares no {REFERENCE_ATTRIBUTE}"
+           if found is None else
+           f"vLLM runs it in {dtype}, and the oracle's bound is derived for float32" if dtype != ENGINE_ARGS["dtype"]
+           else "vLLM runs only its text decoder (a composite checkpoint)"
+           if checkpoint_args(ckpt).get("language_model_only") else
+           "vLLM returned no log-probabilities" if not run.logprobs else "")
+    if why or found is None:
+        return {"oracle": "none", "oracle_why": why}
+    try:
+        model = reference_model(found, ckpt)
+        generated = [positions[len(prompt) - 1:] for prompt, positions in
+                     zip(prompts(vocab_size(ckpt)), run.logprobs, strict=True)]
+        difference, i, k, what = oracle_difference(model, ckpt, run.tokens, generated)
+    except Exception as e:  # noqa: BLE001 - the reference's limit on the checker's tiny checkpoint, said so
+        return {"oracle": "none", "oracle_why": f"{found.name} cannot run the tiny checkpoint: {type(e).__name__}: "
+                                                f"{str(e).splitlines()[0] if str(e) else ''}"}
+    detail = {"oracle": "reference", "reference": found.name, "max_reference_difference": difference}
+    if difference > ORACLE_TOLERANCE:
+        raise CheckFailure(
+            f"{ctx.architecture} at tensor_parallel_size=1 does not compute what {found.name} computes on the same "
+            f"tiny checkpoint (float32, teacher-forced on vLLM's tokens): {what} at prompt {i}, generated token {k} "
+            f"differ by {difference:.3g}, above the tolerance {ORACLE_TOLERANCE:g}. Seeds and TP sizes cannot see "
+            f"this: it is the same in every run.", {**detail, "kind": "reference_mismatch", "prompt": i,
+                                                    "position": k})
+    return detail
+
+
 def run_load(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
     """load[tp=N]: vLLM builds, loads and generates at TP=N, and its greedy tokens equal TP=1's and its
     log-probabilities (top-k of every prompt and generated position) TP=1's within LOGPROB_TOLERANCE (float32).
@@ -65,8 +108,8 @@ def run_load(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
     dtype = args["dtype"]
     detail = {"tensor_parallel_size": ctx.tp, "dtype": dtype, "tokens": run.tokens, "seconds": run.seconds,
               "start_mode": run.mode}
-    if ctx.tp == 1:  # held to nothing yet: the summary's oracle line says so (report.oracle_line)
-        return {**detail, "oracle": "none"}
+    if ctx.tp == 1:
+        return {**detail, **verify_reference(ctx, ckpt, run, dtype)}
     skipped = tp_comparison_skipped(ctx.architecture, ctx.tp, dtype)
     if skipped:
         raise CheckSkip(skipped)

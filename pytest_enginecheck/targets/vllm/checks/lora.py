@@ -27,6 +27,7 @@ from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
 from pytest_enginecheck.targets.vllm.checks.load import LOGPROB_TOLERANCE, logprob_difference
+from pytest_enginecheck.targets.vllm.checks.reference import ORACLE_TOLERANCE, oracle_difference
 from pytest_enginecheck.targets.vllm.checks.steps import (
     engine_checkpoint,
     model_class,
@@ -41,14 +42,6 @@ LORA_RANK = 8  # one of vLLM's max_lora_rank values (1, 8, 16, 32, 64, ...)
 LORA_ALPHA = 16  # PEFT scales B·A by lora_alpha / r = 2
 SEED = 0
 LORA_ENGINE_ARGS: dict[str, Any] = {"enable_lora": True, "max_lora_rank": LORA_RANK, "max_loras": 1}
-# How far vLLM's log-probabilities (float32 CPU) may be from transformers' (+ PEFT's) on the same tiny checkpoint and
-# tokens. Different kernels sum in a different order (vLLM's CPU attention, fused RMSNorm, SiLU-and-mul, its LoRA
-# shrink/expand einsums against PEFT's two matmuls): measured at TP=1 on the tiny Llama and Qwen2, with the adapter
-# and without it, at most 9.5e-7 (1-2 float32 ulps of a log-probability near -5.5). The tolerance sits 100x above
-# that, and 1000x below what the planted same-at-every-TP bug gives (layer 1's gate_proj and up_proj adapters
-# swapped: the first generated token is one transformers + PEFT finds 0.11 less likely than its greedy choice).
-# tests/vllm/test_vllm_lora.py holds both ends. (TP=N against TP=1 uses load's LOGPROB_TOLERANCE: measured 1.4e-6.)
-ORACLE_TOLERANCE = 1e-4
 SUPPORTS_LORA = (("vllm.model_executor.models.interfaces", "supports_lora"),)
 
 
@@ -114,40 +107,6 @@ def tiny_adapter(ctx: CheckContext, ckpt: str, model_cls: type) -> Path:
 
     return made_once(Path(ctx.workdir) / "vllm-lora" / ctx.architecture, "adapter_config.json",
                      lambda tmp: make_adapter(ckpt, ctx.architecture, model_cls, tmp))
-
-
-def oracle_difference(ckpt: str, architecture: str, model_cls: type, adapter: Path | None,
-                      tokens: list[list[int]], logprobs: list[list[dict[str, float]]]) -> tuple[float, int, int, str]:
-    """transformers' (+ PEFT's adapter at ``adapter``) log-probabilities at vLLM's generated positions, teacher-forced
-    on vLLM's tokens, against vLLM's: (largest |difference| over the tokens vLLM reports, prompt, generated token,
-    what differs). A generated token that is not transformers' greedy choice (its log-probability more than
-    ORACLE_TOLERANCE below transformers' largest) is reported as such, with its shortfall as the difference."""
-    import torch
-
-    from pytest_enginecheck.targets.vllm.checkpoints.reading import vocab_size
-    from pytest_enginecheck.targets.vllm.engine.drive import prompts
-
-    model = _transformers_model(ckpt, architecture, model_cls)
-    if adapter is not None:
-        import peft
-
-        with _without_progress_bar():
-            model = peft.PeftModel.from_pretrained(model, str(adapter)).eval()
-    worst = (0.0, 0, 0, "log-probabilities")
-    for i, (prompt, generated, positions) in enumerate(zip(prompts(vocab_size(ckpt)), tokens, logprobs, strict=True)):
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + generated])).logits[0]
-        reference = torch.log_softmax(logits.float(), dim=-1)[len(prompt) - 1:]  # row k predicts generated token k
-        for k, (token, reported) in enumerate(zip(generated, positions, strict=True)):
-            shortfall = float(reference[k].max() - reference[k, token])
-            if shortfall > ORACLE_TOLERANCE:
-                best = int(reference[k].argmax())
-                return shortfall, i, k, (f"greedy token {token} (transformers' greedy choice is {best}, "
-                                         f"{shortfall:.3g} more likely in log-probability)")
-            for other, value in reported.items():
-                if abs(value - float(reference[k, int(other)])) > worst[0]:
-                    worst = (abs(value - float(reference[k, int(other)])), i, k, "log-probabilities")
-    return worst
 
 
 TRITON_MOE = "vllm/model_executor/layers/fused_moe/experts/triton_moe.py"
@@ -255,11 +214,16 @@ def run(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
 def _against_transformers(ctx: CheckContext, ckpt: str, model_cls: type, adapter: Path, run: Any,
                           detail: dict[str, Any]) -> dict[str, Any]:
     """TP=1: the base model against transformers, then the adapter against transformers + PEFT."""
+    import peft
+
     from pytest_enginecheck.targets.vllm.checkpoints.from_transformers import hf_class
 
     hf = f"transformers' {hf_class(ctx.architecture, model_cls).__name__}"
-    base = oracle_difference(ckpt, ctx.architecture, model_cls, None, run.tokens, run.logprobs)
-    lora = oracle_difference(ckpt, ctx.architecture, model_cls, adapter, run.lora_tokens, run.lora_logprobs)
+    model = _transformers_model(ckpt, ctx.architecture, model_cls)
+    base = oracle_difference(model, ckpt, run.tokens, run.logprobs)
+    with _without_progress_bar():
+        model = peft.PeftModel.from_pretrained(model, str(adapter)).eval()
+    lora = oracle_difference(model, ckpt, run.lora_tokens, run.lora_logprobs)
     detail.update(max_base_difference=base[0], max_lora_difference=lora[0], oracle_tolerance=ORACLE_TOLERANCE)
     for (difference, i, k, what), against, kind in ((base, hf, "base_mismatch"),
                                                     (lora, f"{hf} with PEFT's adapter", "lora_mismatch")):
