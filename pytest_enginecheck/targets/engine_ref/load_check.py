@@ -161,7 +161,12 @@ def verify_reference(ctx: CheckContext, ckpt: Any, outputs: list[list[int]]) -> 
     import torch
 
     from pytest_enginecheck.guard import CudaGuard
-    from pytest_enginecheck.reference import REFERENCE_ATTRIBUTE, ReferenceDeclarationError, find_reference, load_reference
+    from pytest_enginecheck.reference import (
+        REFERENCE_ATTRIBUTE,
+        ReferenceDeclarationError,
+        find_reference,
+        load_reference,
+    )
     from pytest_enginecheck.targets.engine_ref import reference
     from pytest_enginecheck.targets.engine_ref.kv_consistency import load_tp1
 
