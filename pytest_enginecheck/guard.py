@@ -36,11 +36,16 @@ _EARLY_FAILING_FUNCTIONS = (
 )
 _EARLY_FAILING_CLASSES = ("Stream", "Event", "ExternalStream", "device")
 _QUERY_FUNCTIONS = ("is_available", "device_count")
+# What passes the import check strict or not: no CUDA call at import, not even the query that would guard one.
 FIX_HINTS = {
-    "init": "Move the call into code that runs when the model is built or run (a function, cached with "
-            "functools.cache if it is expensive), or guard it with `if torch.cuda.is_available():`.",
-    "query": "Ask inside code that runs when the model is built (a function, cached with functools.cache), "
-             "or run with PYTORCH_NVML_BASED_CUDA_CHECK=1 so the query uses NVML instead of cuInit.",
+    "init": "Move the call into a function that runs when the model is built or run (cached with functools.cache if "
+            "it is expensive), and take the device there from the engine (a parameter's or the input's .device) "
+            "instead of naming cuda. Not `if torch.cuda.is_available():` at import: that asks CUDA at import, which "
+            "--enginecheck-strict fails.",
+    "query": "Ask inside a function that runs when the model is built or run (cached with functools.cache), or take "
+             "the device there from the engine (a parameter's or the input's .device). PYTORCH_NVML_BASED_CUDA_CHECK=1 "
+             "makes the query use NVML instead of cuInit, but --enginecheck-strict fails a query at import all the "
+             "same.",
     "driver": "Load the CUDA driver only inside code that runs on the GPU worker, never at import time.",
 }
 

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckResult, item_name
+from pytest_enginecheck.output import Authorship, full_output, trimmed_output, trimmed_traceback
 from pytest_enginecheck.rank_turns import rank_turn, turns_dir
+from pytest_enginecheck.targets import TargetError, load_target
 
 if TYPE_CHECKING:
     from _pytest._code.code import TerminalRepr
@@ -83,8 +85,23 @@ class CheckItem(pytest.Item):
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str | TerminalRepr:
         if isinstance(excinfo.value, CheckFailure) and self.result is not None:
-            return self.result.longrepr()
+            return self.result.longrepr(lambda trace: trimmed_traceback(trace, self.authorship()))
         return super().repr_failure(excinfo)
+
+    def add_report_section(self, when: str, key: str, content: str) -> None:
+        """What the check's process printed (its child writes it to this process's stderr, which pytest captures),
+        trimmed to what concerns the failure (``output.trimmed_output``); nothing of a check that passed."""
+        if self.result is not None and self.result.outcome == "passed" and not full_output():
+            return
+        super().add_report_section(when, key, trimmed_output(content, self.authorship()))
+
+    def authorship(self) -> Authorship:
+        """Which frames of a traceback are the author's: the architecture's module, not its engine's packages."""
+        try:
+            library = load_target(self.ctx.spec).library_packages()
+        except TargetError:
+            library = ()
+        return Authorship(self.ctx.module, library)
 
     def reportinfo(self) -> tuple[Any, int | None, str]:
         return self.path, None, f"enginecheck {self.ctx.architecture} {self.name}"

@@ -9,7 +9,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -81,6 +81,32 @@ def unowned_shm_entries(ours: set[int] | None = None) -> set[str]:
     entries = _inodes("/dev/shm")
     held = _held_shm_inodes(ours)
     return {name for name, inode in entries.items() if inode not in held}
+
+
+PYTHON_SHM_PREFIX = "psm_"  # multiprocessing.shared_memory's names: a SharedMemory(create=True) is registered with
+# Python's resource tracker, which one process tree shares (the warm parent's forkserver passes its tracker on)
+
+
+def remove_left_segments(names: Iterable[str]) -> list[str]:
+    """Unlink each /dev/shm entry of ``names`` that no process holds: what a process that left by os._exit, or was
+    killed, never unlinked (vLLM's rank 0 creates its TP group's shared-memory broadcast as a Python SharedMemory).
+    A Python SharedMemory's name is then unregistered from the resource tracker this process shares with it, which
+    would otherwise report it at the end of the run ("There appear to be N leaked shared_memory objects") and unlink
+    it only then. Returns the names removed."""
+    from multiprocessing import resource_tracker
+
+    unheld = unowned_shm_entries(set())
+    removed = []
+    for name in sorted(set(names) & unheld):
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            continue
+        removed.append(name)
+        # only a tracker this process shares: unregistering would otherwise start one that never knew the name
+        if name.startswith(PYTHON_SHM_PREFIX) and getattr(resource_tracker._resource_tracker, "_fd", None) is not None:
+            resource_tracker.unregister(f"/{name}", "shared_memory")
+    return removed
 
 
 def _held_shm_inodes(ours: set[int]) -> set[int]:

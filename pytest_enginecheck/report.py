@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -12,12 +14,17 @@ from pytest_enginecheck.checks import CHECKS
 
 REPORT_VERSION = 1
 _CELL = {"passed": "ok", "failed": "FAIL", "skipped": "skip"}
+# The narrow table's marks, one per item (pytest's progress letters); NOT_RUN where an item did not run.
+MARKS = {"passed": ".", "failed": "F", "skipped": "s"}
+NOT_RUN = "-"
 PLUGIN_ROW = "plugin:"  # the prefix of the plugins check's rows
 LARGE = 400  # architectures from which the table lists failures first (and, by default, only them)
 # engine_ref.model_executor.models.registry.CACHE_OUTCOMES: a result's detail["cache"] counts lookups by these
 CACHE_OUTCOMES = ("memory", "disk", "missing", "source_changed", "format_version", "no_source", "corrupt")
-_STALE = {"missing": "missing", "source_changed": "source changed", "format_version": "format version",
+# Why a lookup inspected the class (no usable entry), as the cache line words it
+_STALE = {"missing": "not cached yet", "source_changed": "source changed", "format_version": "older cache format",
           "no_source": "no source file"}
+CACHE_WHAT = "ModelInfo cache (the registry's saved inspection of each class)"
 
 
 def _check_order(check: str) -> tuple[int, str]:
@@ -25,18 +32,41 @@ def _check_order(check: str) -> tuple[int, str]:
     return (CHECKS.index(base) if base in CHECKS else len(CHECKS), check)
 
 
+def fit(line: str, width: int | None) -> list[str]:
+    """``line`` wrapped at word boundaries to ``width`` columns (continuation lines indented), or as it is."""
+    if width is None or len(line) <= width:
+        return [line]
+    return textwrap.wrap(line, width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+
+
+def pack(prefix: str, parts: list[str], width: int | None) -> list[str]:
+    """``parts`` joined by ", " into as few lines of ``width`` columns as they fit, each line starting with
+    ``prefix`` (a part is never split)."""
+    lines: list[str] = []
+    line = ""
+    for part in parts:
+        joined = f"{line}, {part}" if line else part
+        if line and width is not None and len(prefix) + len(joined) > width:
+            lines.append(prefix + line)
+            joined = part
+        line = joined
+    return [*lines, prefix + line]
+
+
 def summary_mode(requested: str | None, architectures: int) -> str:
     """``--enginecheck-summary`` as given, else all rows below LARGE architectures and failures from there."""
     return requested or ("all" if architectures < LARGE else "failures")
 
 
-def summary_table(results: list[dict[str, Any]], mode: str = "all", others: Mapping[str, int] | None = None
-                  ) -> list[str]:
+def summary_table(results: list[dict[str, Any]], mode: str = "all", others: Mapping[str, int] | None = None,
+                  width: int | None = None) -> list[str]:
     """Rows of architectures, columns of checks in CHECKS order ('-' where a check did not run), then the counts.
 
     ``mode`` "failures" lists only the rows with a failure, "all" every row (those with a failure first
-    from LARGE architectures). ``others``: pytest's counts of the run's other tests, so that the two
-    lines together agree with pytest's own.
+    from LARGE architectures). ``others``: pytest's counts of the other tests that ran, so that the two
+    lines together agree with pytest's own. ``width``: the terminal's columns; a table wider than that
+    gets a column per check instead of per item, a mark per item in it (``narrow_grid``), and every line
+    is wrapped to it (None: no limit).
     """
     archs = sorted({r["arch"] for r in results})
     failing = {r["arch"] for r in results if r["outcome"] == "failed"}
@@ -44,16 +74,13 @@ def summary_table(results: list[dict[str, Any]], mode: str = "all", others: Mapp
     if mode == "all" and len(archs) >= LARGE:
         shown = [a for a in archs if a in failing] + [a for a in archs if a not in failing]
     checks = sorted({r["check"] for r in results}, key=_check_order)
-    cells = {(r["arch"], r["check"]): _CELL[r["outcome"]] for r in results}
-    arch_width = max(len("architecture"), *(len(a) for a in shown)) if shown else len("architecture")
-    widths = [max(len(c), 4) for c in checks]
-    header = f"{'architecture':<{arch_width}}  " + "  ".join(f"{c:<{w}}" for c, w in zip(checks, widths, strict=True))
-    lines = [header, "-" * len(header)] if shown else []
-    for arch in shown:
-        lines.append(f"{arch:<{arch_width}}  " + "  ".join(
-            f"{cells.get((arch, c), '-'):<{w}}" for c, w in zip(checks, widths, strict=True)))
+    outcomes = {(r["arch"], r["check"]): r["outcome"] for r in results}
+    lines = wide_grid(shown, checks, outcomes) if shown else []
+    if width is not None and any(len(line) > width for line in lines):
+        lines = narrow_grid(shown, checks, outcomes, width)
+    prose: list[str] = []
     if len(shown) < len(archs):
-        lines.append(f"({len(archs) - len(shown)} architectures without a failure not shown; "
+        prose.append(f"({len(archs) - len(shown)} architectures without a failure not shown; "
                      f"--enginecheck-summary=all lists them)")
     counts = {outcome: sum(r["outcome"] == outcome for r in results) for outcome in _CELL}
     dependent = sum(r["outcome"] == "skipped" and r["detail"].get("kind") == "dependency" for r in results)
@@ -64,16 +91,81 @@ def summary_table(results: list[dict[str, Any]], mode: str = "all", others: Mapp
     line = (f"{subjects}: {counts['passed']} passed, {counts['failed']} failed, "
             f"{counts['skipped']} skipped{because}")
     rest = ", ".join(f"{n} {outcome}" for outcome, n in (others or {}).items() if n)
-    lines.append(f"{line}; other tests: {rest}" if rest else line)
+    prose.append(f"{line}; other tests: {rest}" if rest else line)
     oracles = oracle_line(results)
     if oracles:
-        lines.append(oracles)
+        prose.append(oracles)
     unknown = cache_unknown(results)
     if any(isinstance(r["detail"].get("cache"), dict) for r in results):
-        lines.append(cache_line(cache_totals(results), unknown))
+        prose.append(cache_line(cache_totals(results), unknown))
     elif unknown:
-        lines.append(f"ModelInfo cache: cannot tell ({'; '.join(unknown)})")
+        prose.append(cache_line(None, unknown))
+    return lines + [part for text in prose for part in fit(text, width)]
+
+
+def wide_grid(archs: list[str], checks: list[str], outcomes: Mapping[tuple[str, str], str]) -> list[str]:
+    """A column per item (``load[tp=2]``), a word per cell: ok, FAIL, skip, or '-' where the item did not run."""
+    arch_width = max(len("architecture"), *(len(a) for a in archs))
+    widths = [max(len(c), 4) for c in checks]
+    header = f"{'architecture':<{arch_width}}  " + "  ".join(f"{c:<{w}}" for c, w in zip(checks, widths, strict=True))
+    lines = [header, "-" * len(header)]
+    for arch in archs:
+        lines.append(f"{arch:<{arch_width}}  " + "  ".join(
+            f"{_CELL.get(outcomes.get((arch, c), ''), '-'):<{w}}" for c, w in zip(checks, widths, strict=True)))
     return lines
+
+
+def narrow_grid(archs: list[str], checks: list[str], outcomes: Mapping[tuple[str, str], str], width: int
+                ) -> list[str]:
+    """A column per check (``load``), in it a mark per item in the items' order (``.F``: tp=1 passed, tp=2 failed),
+    then the legend; an architecture name too long for its column gets a line of its own above its marks."""
+    families: dict[str, list[str]] = {}
+    for check in checks:
+        families.setdefault(check.split("[")[0], []).append(check)
+    marks = {arch: ["".join(MARKS.get(outcomes.get((arch, c), ""), NOT_RUN) for c in items)
+                    for items in families.values()] for arch in archs}
+    widths = [max(len(name), len(items)) for name, items in families.items()]
+    longest = max(len("architecture"), *(len(a) for a in archs))
+    for sep in ("  ", " "):  # one space between columns only where two do not fit
+        columns = sum(widths) + len(sep) * len(widths)
+        if longest + columns <= width:
+            break
+    arch_width = max(len("architecture"), min(longest, width - columns))
+
+    def row(name: str, cells: list[str]) -> str:
+        return (f"{name:<{arch_width}}{sep}" + sep.join(f"{c:<{w}}" for c, w in zip(cells, widths, strict=True))
+                ).rstrip()
+
+    header = row("architecture", list(families))
+    lines = [header, "-" * len(header)]
+    for arch in archs:
+        lines.extend([arch, row("", marks[arch])] if len(arch) > arch_width else [row(arch, marks[arch])])
+    return lines + fit(legend(families), width)
+
+
+def legend(families: Mapping[str, list[str]]) -> str:
+    """What the narrow table's marks mean and, for a check of several items, which item each mark is: ``. passed,
+    F failed, s skipped, - not run; a mark per item: load, budget tp=1,2; quant fp8 tp=1,2, int8 tp=1,2``."""
+    by_items: dict[str, list[str]] = {}  # the items' words -> the checks that have those items
+    for name, items in families.items():
+        if items != [name]:  # several items, or one with a parameter (load[tp=2] alone)
+            by_items.setdefault(_items_words(name, items), []).append(name)
+    each = "; ".join(f"{', '.join(names)} {words}" for words, names in by_items.items())
+    return f"{MARKS['passed']} passed, {MARKS['failed']} failed, {MARKS['skipped']} skipped, {NOT_RUN} not run" + (
+        f"; a mark per item: {each}" if each else "")
+
+
+def _items_words(name: str, items: list[str]) -> str:
+    """``tp=1,2`` for load[tp=1], load[tp=2]; ``fp8 tp=1,2, int8 tp=1,2`` for quant[fp8,tp=1]...; else the items'
+    parameters as they are (``[a] [b]``)."""
+    params = [item[len(name) + 1:-1] for item in items]
+    by_prefix: dict[str, list[str]] = {}
+    for param in params:
+        found = re.fullmatch(r"(?:(.+),)?tp=(\d+)", param)
+        if found is None:
+            return " ".join(f"[{p}]" for p in params)
+        by_prefix.setdefault(found.group(1) or "", []).append(found.group(2))
+    return ", ".join(f"{prefix} tp={','.join(sizes)}".strip() for prefix, sizes in by_prefix.items())
 
 
 ORACLE_ITEM = "load[tp=1]"  # the item whose detail says what the model's output was compared with
@@ -121,18 +213,26 @@ def cache_totals(results: list[dict[str, Any]]) -> dict[str, int]:
     return totals
 
 
-def cache_line(totals: dict[str, int], unknown: list[str] | None = None) -> str:
-    """``ModelInfo cache: 3 from memory, 410 from disk, 2 inspected (1 missing, 1 source changed), 0 corrupt``.
+def cache_line(totals: dict[str, int] | None, unknown: list[str] | None = None) -> str:
+    """Whether the registry answered the run's ModelInfo lookups from its cache or inspected the class, e.g.
+    ``ModelInfo cache (...): 413 lookups answered from it (3 in memory, 410 on disk), 2 inspected the class
+    (1 not cached yet, 1 source changed), 0 found a corrupt entry``.
 
-    "inspected": lookups no usable entry answered, by reason; corrupt entries are inspected too, counted apart.
-    ``unknown``: why some lookups could not be told (``cache_unknown``), appended.
+    A lookup no usable entry answered inspects the class, counted by reason; one that found a corrupt entry inspects
+    it too, counted apart. ``unknown``: why some lookups cannot be told (``cache_unknown``), appended; ``totals``
+    None: why none can.
     """
+    cannot = "; ".join(unknown or ())
+    if totals is None:
+        return f"{CACHE_WHAT}: cannot tell whether it answered the lookups or the classes were inspected: {cannot}"
     reasons = [f"{totals[k]} {words}" for k, words in _STALE.items() if totals.get(k)]
     inspected = sum(totals.get(k, 0) for k in _STALE)
     why = f" ({', '.join(reasons)})" if reasons else ""
-    line = (f"ModelInfo cache: {totals.get('memory', 0)} from memory, {totals.get('disk', 0)} from disk, "
-            f"{inspected} inspected{why}, {totals.get('corrupt', 0)} corrupt")
-    return f"{line}; cannot tell the rest ({'; '.join(unknown)})" if unknown else line
+    memory, disk = totals.get("memory", 0), totals.get("disk", 0)
+    line = (f"{CACHE_WHAT}: {memory + disk} lookup{'s' if memory + disk != 1 else ''} answered from it "
+            f"({memory} in memory, {disk} on disk), "
+            f"{inspected} inspected the class{why}, {totals.get('corrupt', 0)} found a corrupt entry")
+    return f"{line}; cannot tell for the others: {cannot}" if cannot else line
 
 
 def _import_results(results: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ import pytest
 from pytest_enginecheck.checks import CHECKS, TP_CHECKS, CheckContext, CheckResult, roots
 from pytest_enginecheck.html_report import write_html
 from pytest_enginecheck.items import RESULT_PROPERTY, CheckItem, EngineCheckCollector, PluginErrorCollector
-from pytest_enginecheck.report import import_profile_lines, summary_mode, summary_table, write_json
+from pytest_enginecheck.report import fit, import_profile_lines, pack, summary_mode, summary_table, write_json
 from pytest_enginecheck.settings import Settings
 from pytest_enginecheck.targets import (
     ArchEntry,
@@ -141,16 +141,50 @@ class EngineCheckSession:
                                                 workdir=self.workdir, plugin=name, options=s)]
                 for name, value, distribution in description.plugins}
 
-    def settings_line(self) -> str:
-        """What this run checks and with which limits, in one line (as pytest-timeout prints its settings)."""
-        s, description = self.settings, self.description
+    def settings_lines(self, width: int | None = None, verbose: bool = False) -> list[str]:
+        """What this run checks, in a line or two of ``width`` columns (as pytest-timeout prints its settings): the
+        target, the checks, the TP sizes and the budget, and any other setting given a value of its own (``verbose``:
+        every setting); then what the target does not offer here, and why (an item such as quant[fp8] only where this
+        run asks for it, unless ``verbose``)."""
+        s, description, default = self.settings, self.description, Settings()
+        checks = self.select_checks(description)
         plugins = self.target.plugin_count()
-        return (f"enginecheck: target={s.target} ({len(description.entries)} architectures, {plugins} "
-                f"plugin{'s' if plugins != 1 else ''}), checks={','.join(self.select_checks(description))}, "
-                f"tp={','.join(map(str, s.tp_sizes))}, timeout={s.timeout:g}s, budget={s.budget_memory} per rank "
-                f"x {s.budget_utilization:g} utilization at max_model_len={s.budget_max_model_len}, "
-                f"device_memory={s.device_memory or 'not predicted'}"
-                + (f"; not offered: {description.offer.sentence()}" if description.offer.refused else ""))
+        what = [f"target={s.target} ({len(description.entries)} architectures, {plugins} "
+                f"plugin{'s' if plugins != 1 else ''})"]
+        if verbose or {*TP_CHECKS, "startup"} & set(checks):
+            what.append(f"tp={','.join(map(str, s.tp_sizes))}")
+        parts = [f"checks={','.join(checks)}"]
+        if verbose or "quant" in checks:
+            parts.append(f"quant={','.join(s.quant_methods)}")
+        budget = (s.budget_utilization, s.budget_max_model_len) != (default.budget_utilization,
+                                                                     default.budget_max_model_len)
+        if verbose or budget:
+            parts.append(f"budget={s.budget_memory} per rank x {s.budget_utilization:g} utilization at "
+                         f"max_model_len={s.budget_max_model_len}")
+        elif "budget" in checks:
+            parts.append(f"budget={s.budget_memory} per rank")
+        if verbose or s.timeout != default.timeout:
+            parts.append(f"timeout={s.timeout:g}s")
+        if verbose or s.device_memory:
+            parts.append(f"device_memory={s.device_memory or 'not predicted'}")
+        if verbose or s.strict:
+            parts.append(f"strict={'on' if s.strict else 'off'}")
+        given = dict(s.target_options)
+        parts += [f"{option.name}={given[option.name]}" for option in self.target.options
+                  if option.name in given and (verbose or given[option.name] != option.default)]
+        lines = pack("enginecheck: ", what, width) + pack("enginecheck: ", parts, width)
+        refused = tuple((item, why) for item, why in description.offer.refused
+                        if verbose or self.concerns_this_run(item, checks))
+        if refused:
+            lines += fit(f"enginecheck: not offered: {Offer(description.offer.checks, refused).sentence()}", width)
+        return lines
+
+    def concerns_this_run(self, refused: str, checks: tuple[str, ...]) -> bool:
+        """Whether the header names a refused ``check`` or ``check[param]`` without -v: a check always (it says why the
+        check is missing), an item only where this run asks for it (``quant[fp8]``: quant selected, fp8 among
+        --enginecheck-quant)."""
+        check, _, param = refused.partition("[")
+        return not param or (check == "quant" and check in checks and param.rstrip("]") in self.settings.quant_methods)
 
     def plugin_error_text(self, error: PluginError) -> str:
         """The collection error of a plugin that raised while the target was described: what, where, what it
@@ -164,15 +198,17 @@ class EngineCheckSession:
                 f"{error.traceback}")
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
-        """The settings line, and a line per plugin that raised while the target was described (with the
-        architectures it took with it); describing the target here makes a bad target a usage error before
-        collection."""
+        """The settings lines (``-v``: every setting), and a line per plugin that raised while the target was
+        described (with the architectures it took with it); describing the target here makes a bad target a usage
+        error before collection."""
         if self.is_xdist_worker:
             return []
-        return [self.settings_line(), *(
-            f"enginecheck: plugin {e.name!r} of distribution {e.distribution} raised while the target was described "
-            f"(ERROR collecting enginecheck::plugin:{e.name}): {e.lost_words()}"
-            for e in self.description.plugin_errors)]
+        width = config.get_terminal_writer().fullwidth
+        lines = self.settings_lines(width, verbose=config.getoption("verbose") > 0)
+        for e in self.description.plugin_errors:
+            lines += fit(f"enginecheck: plugin {e.name!r} of distribution {e.distribution} raised while the target was "
+                         f"described (ERROR collecting enginecheck::plugin:{e.name}): {e.lost_words()}", width)
+        return lines
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_configure_node(self, node: Any) -> None:
@@ -236,8 +272,23 @@ class EngineCheckSession:
             if name == RESULT_PROPERTY and report.when == "call" and isinstance(value, str):
                 self.results.append(json.loads(value))
 
+    def other_tests(self, stats: dict[str, list[Any]]) -> dict[str, int]:
+        """pytest's counts of the tests that ran beside the checks, by outcome. A module skipped at collection (a
+        module-level ``pytest.importorskip``) counts only where its tests could have run beside them: not in a run
+        that deselected tests (``-m enginecheck``) and ran none but the checks."""
+        reports = {outcome: [r for r in stats.get(outcome, ()) if getattr(r, "count_towards_summary", True)
+                             and not r.nodeid.startswith("enginecheck::")] for outcome in PYTEST_OUTCOMES}
+        ran = any(isinstance(r, pytest.TestReport) for found in reports.values() for r in found)
+        option = self.config.option
+        narrowed = any((stats.get("deselected"), getattr(option, "markexpr", ""), getattr(option, "keyword", ""),
+                        getattr(option, "deselect", None)))
+        if narrowed and not ran:
+            reports["skipped"] = [r for r in reports["skipped"] if not isinstance(r, pytest.CollectReport)]
+        return {outcome: len(found) for outcome, found in reports.items()}
+
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        """The architecture x check table, and the counts of the run's other tests beside its own."""
+        """The architecture x check table (fit to the terminal's width), and the counts of the run's other tests
+        beside its own."""
         if self.nothing_selected:
             terminalreporter.write_line(f"enginecheck: no check of --enginecheck-target={self.settings.target} was "
                                         f"selected; {self.nothing_selected}.", yellow=True)
@@ -245,11 +296,9 @@ class EngineCheckSession:
         mode = summary_mode(self.settings.summary, archs)
         if not self.results or self.is_xdist_worker or mode == "none":
             return
-        others = {outcome: sum(getattr(r, "count_towards_summary", True) and not r.nodeid.startswith("enginecheck::")
-                               for r in terminalreporter.stats.get(outcome, ()))
-                  for outcome in PYTEST_OUTCOMES}
         terminalreporter.section("enginecheck summary")
-        for line in summary_table(self.results, mode, others):
+        width = self.config.get_terminal_writer().fullwidth
+        for line in summary_table(self.results, mode, self.other_tests(terminalreporter.stats), width):
             terminalreporter.write_line(line)
         if self.settings.import_profile:
             terminalreporter.section("enginecheck import profile")

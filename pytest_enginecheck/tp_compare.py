@@ -5,11 +5,17 @@ A diagnosis hooks every module of the model on each rank, keys each call (``Call
 of its input and output (``first_tensor``), then compares the ranks' outputs put back together with TP=1's in
 the order the calls finished. How a layer's output is sharded is each engine's own (its layers' attributes); what
 is here reads only tensors and names, so the targets share it without importing each other. Torch is imported
-only where a tensor is handled.
+only where a tensor is handled. Where a module's weight shards are wrong, the diagnosis names the code that loaded
+them: each distinct ``param.weight_loader`` of its parameters (``weight_loaders``, read on the rank that holds the
+model), as ``qualname (file:line)``.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import os
+from collections.abc import Sequence
 from typing import Any
 
 ATOL, RTOL = 1e-4, 1e-3  # TP=N against TP=1 in float32 at tiny sizes: other reduction orders, nothing more
@@ -84,3 +90,64 @@ def join_split(full: Any, parts: list[Any]) -> tuple[Any, int] | None:
     if len(shorter) != 1 or sum(p.shape[shorter[0]] for p in parts) != full.shape[shorter[0]]:
         return None
     return torch.cat(parts, dim=shorter[0]), shorter[0]
+
+
+def loader_name(loader: Any) -> str | None:
+    """``qualname (file:line)`` of a weight loader: a function, a bound method (its function), a functools.partial
+    (what it wraps) or a callable object (its ``__call__``); the file relative to the working directory when inside
+    it. None for what is not callable; the qualname alone where there is no Python source (a builtin)."""
+    for _ in range(8):  # partials of bound methods of wrappers: a few layers at most
+        if isinstance(loader, functools.partial):
+            loader = loader.func
+        elif inspect.ismethod(loader):
+            loader = loader.__func__
+        elif hasattr(loader, "__wrapped__"):  # functools.wraps
+            loader = loader.__wrapped__
+        else:
+            break
+    if not callable(loader):
+        return None
+    if not (inspect.isfunction(loader) or inspect.isbuiltin(loader) or inspect.isclass(loader)):
+        loader = type(loader).__call__  # a callable object: its class's __call__
+        loader = getattr(loader, "__func__", loader)
+    return _source_name(loader)
+
+
+@functools.cache
+def _source_name(loader: Any) -> str:
+    """``qualname (file:line)`` of a function (once per function: a model's layers share a few loaders)."""
+    name = getattr(loader, "__qualname__", None) or type(loader).__qualname__
+    try:
+        file = inspect.getsourcefile(loader)
+        line = inspect.getsourcelines(loader)[1]
+    except (OSError, TypeError):
+        code = getattr(loader, "__code__", None)
+        if code is None:
+            return name
+        file, line = code.co_filename, code.co_firstlineno
+    if file is None:
+        return name
+    relative = os.path.relpath(file)
+    return f"{name} ({file if relative.startswith(os.pardir) else relative}:{line})"
+
+
+def weight_loaders(module: Any) -> list[str]:
+    """The distinct weight loaders of ``module``'s own parameters (``param.weight_loader``), named by ``loader_name``,
+    in the order of its parameters; a parameter without one (or whose loader cannot be read) names none."""
+    found: list[str] = []
+    for _, param in module.named_parameters(recurse=False):
+        try:
+            name = loader_name(getattr(param, "weight_loader", None))
+        except Exception:  # noqa: BLE001 - an engine's parameter whose loader was deleted raises its own error
+            name = None
+        if name is not None and name not in found:
+            found.append(name)
+    return found
+
+
+def loaded_by(loaders: Sequence[str]) -> str:
+    """``its parameters were loaded by A (file:line) and B (file:line)``; empty when none is known."""
+    if not loaders:
+        return ""
+    named = loaders[0] if len(loaders) == 1 else f"{', '.join(loaders[:-1])} and {loaders[-1]}"
+    return f"its parameters were loaded by {named}"

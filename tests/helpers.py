@@ -92,3 +92,14 @@ def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.02)
+
+
+def zoo_loader(qualname: str, module: str = "engine_models") -> str:
+    """How a TP diagnosis names a weight loader of tests/plugin_zoo/zoo/``module``.py, run from a copy of the zoo:
+    ``Class.weight_loader (zoo/engine_models.py:LINE)``, the line of its ``def``."""
+    path = Path(__file__).parent / "plugin_zoo" / "zoo" / f"{module}.py"
+    classname, function = qualname.rsplit(".", 1)
+    lines = path.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"class {classname}("))
+    line = next(i for i, line in enumerate(lines) if i > start and line.strip().startswith(f"def {function}(")) + 1
+    return f"{qualname} (zoo/{module}.py:{line})"

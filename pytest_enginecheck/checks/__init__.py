@@ -8,6 +8,7 @@ into the one CheckResult it sends back (``runner.run_in_child``); nothing else c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -201,7 +202,10 @@ class CheckResult:
                 "duration_s": round(self.duration_s, 4), "phases": {k: round(v, 4) for k, v in self.phases.items()},
                 "message": self.message, "detail": self.detail}
 
-    def longrepr(self) -> str:
-        """What a failure reads as: its sentences, then the child's traceback where one helps."""
+    def longrepr(self, trim: Callable[[str], str] | None = None) -> str:
+        """What a failure reads as: its sentences, then the child's traceback where one helps (through ``trim``:
+        ``output.trimmed_traceback`` cuts it after the author's last frame)."""
         trace = self.detail.get("traceback")
-        return f"{self.message}\n\n{trace}" if trace and self.detail.get("kind") != "cuda" else self.message
+        if not trace or self.detail.get("kind") == "cuda":
+            return self.message
+        return f"{self.message}\n\n{trim(trace) if trim else trace}"

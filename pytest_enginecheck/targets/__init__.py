@@ -239,6 +239,12 @@ class Target(ABC):
         ``disk``, ``missing``, ``source_changed``, ...), for the run's cache line; None when it cannot tell."""
         return None
 
+    def library_packages(self) -> tuple[str, ...]:
+        """The engine's own top-level packages: a failure's traceback shows their frames only up to the author's last
+        frame (``output.Authorship``; a registered module inside them is still the author's). ``engine_packages`` by
+        default."""
+        return self.engine_packages
+
     def plugin_count(self) -> int:
         """How many general plugins the engine would load here."""
         return len(self.plugin_group.names()) if self.plugin_group else 0

@@ -88,6 +88,10 @@ def test_a_module_without_a_source_file_counts_as_no_source(tmp_path: Path, monk
     assert counts(registry) == {"no_source": 1}
 
 
+# the summary's cache line, up to its counts
+CACHE = "ModelInfo cache (the registry's saved inspection of each class): "
+
+
 def test_the_summary_line_and_the_run_totals() -> None:
     assert REPORTED_OUTCOMES == CACHE_OUTCOMES  # the plugin's copy (it imports no engine) matches the registry's
     results: list[dict[str, Any]] = [{"detail": {"cache": {"memory": 1, "disk": 200, "missing": 1}}},
@@ -96,6 +100,8 @@ def test_the_summary_line_and_the_run_totals() -> None:
     totals = cache_totals(results)
     assert totals == {"memory": 3, "disk": 410, "missing": 1, "source_changed": 1, "format_version": 0,
                       "no_source": 0, "corrupt": 0}
-    assert cache_line(totals) == ("ModelInfo cache: 3 from memory, 410 from disk, 2 inspected (1 missing, "
-                                  "1 source changed), 0 corrupt")
-    assert cache_line(cache_totals([])) == "ModelInfo cache: 0 from memory, 0 from disk, 0 inspected, 0 corrupt"
+    assert cache_line(totals) == (f"{CACHE}413 lookups answered from it (3 in memory, "
+                                  "410 on disk), 2 inspected the class (1 not cached yet, 1 source changed), 0 found a "
+                                  "corrupt entry")
+    assert cache_line(cache_totals([])) == (f"{CACHE}0 lookups answered from it (0 in "
+                                            "memory, 0 on disk), 0 inspected the class, 0 found a corrupt entry")

@@ -48,6 +48,10 @@ def test_no_file_before_or_after_and_a_block_that_raises(tmp_path: Path) -> None
     assert (failed.outcome, failed.counts()) == (None, {})
 
 
+# the summary's cache line, up to its counts
+CACHE = "ModelInfo cache (the registry's saved inspection of each class): "
+
+
 def result(cache: object) -> dict[str, object]:
     return {"arch": "A", "check": "inspect", "outcome": "passed", "duration_s": 0.1, "phases": {}, "message": "",
             "detail": {"cache": cache}}
@@ -56,8 +60,10 @@ def result(cache: object) -> dict[str, object]:
 def test_lookups_that_cannot_be_told() -> None:
     why = "vLLM's modelinfos are not read with --enginecheck-inspect=fork"
     only_unknown = [result(why), result(why)]
-    assert summary_table(only_unknown)[-1] == f"ModelInfo cache: cannot tell ({why})"
+    assert summary_table(only_unknown)[-1] == (
+        f"{CACHE}cannot tell whether it answered the lookups or the classes were inspected: {why}")
     mixed = [result({"disk": 2}), result(why)]
     assert cache_unknown(mixed) == [why]
     assert cache_line(cache_totals(mixed), cache_unknown(mixed)) == (
-        f"ModelInfo cache: 0 from memory, 2 from disk, 0 inspected, 0 corrupt; cannot tell the rest ({why})")
+        f"{CACHE}2 lookups answered from it (0 in memory, 2 on disk), 0 inspected the class, "
+        f"0 found a corrupt entry; cannot tell for the others: {why}")

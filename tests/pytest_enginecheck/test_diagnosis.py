@@ -1,11 +1,12 @@
 """The load check's TP diagnosis through ``pytest --enginecheck``: each of three TP bugs (tests/plugin_zoo/zoo
-tp_models.py, engine_models.py) is named at its layer with its kind: a weight sharded wrongly, a missing
-collective, a row-parallel layer declared column-parallel."""
+tp_models.py, engine_models.py) is named at its layer with its kind: a weight sharded wrongly (with the weight_loader
+that loaded it), a missing collective, a row-parallel layer declared column-parallel."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.helpers import zoo_loader
 from tests.zoo_sessions import TP_DIAGNOSIS, zoo_session
 
 # the fixture that reads a shared zoo session -> its name (started early: tests/zoo_sessions.py)
@@ -42,7 +43,8 @@ def test_a_mis_sharded_weight_is_named_with_the_columns_it_holds(load_results: t
     assert ("The first module whose output differs between tensor_parallel_size=1 and 2 is "
             "model.layers.0.mlp.down_proj (MirroredRowParallelLinear): its weights do not reassemble to the TP=1 "
             "weights (rank 0's weight holds input columns 64:128 of the TP=1 weight, not its own 0:64): a sharding "
-            "bug in its weight_loader.") in message
+            "bug in its weight_loader: its parameters were loaded by "
+            f"{zoo_loader('MirroredRowParallelLinear.weight_loader')}.") in message
 
 
 def test_a_missing_all_reduce_reads_as_a_collective_bug(load_results: tuple[str, dict[str, dict]]) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pytest_enginecheck.guard import CudaAccessError, CudaGuard  # noqa: E402
+from pytest_enginecheck.guard import FIX_HINTS, CudaAccessError, CudaGuard  # noqa: E402
 
 # Each call sits alone on its line, so the line the guard records is the lambda's first line.
 CUDA_CALLS: dict[str, Callable[[], Any]] = {
@@ -166,6 +166,51 @@ def test_strict_mode_records_cuda_queries_without_raising() -> None:
     ]
     assert "torch.cuda.is_available()" in guard.accesses[0].describe()
     assert "PYTORCH_NVML_BASED_CUDA_CHECK=1" in guard.accesses[0].fix_hint
+
+
+# The form FIX_HINTS["init"] suggests: the CUDA call moved into a function that runs with the model (cached), the
+# device taken from the input; and the form it used to suggest, a guard that asks CUDA at import.
+SUGGESTED = """import functools
+
+import torch
+
+
+@functools.cache
+def workspace(device: torch.device) -> torch.Tensor:
+    return torch.zeros(4, device=device)
+
+
+class Layer(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + workspace(x.device)
+"""
+GUARDED = """import torch
+
+WORKSPACE = torch.zeros(4, device="cuda") if torch.cuda.is_available() else torch.zeros(4)
+"""
+
+
+@pytest.mark.usefixtures("nvml_queries")
+def test_the_fix_the_hint_suggests_passes_strict_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What FIX_HINTS["init"] tells an author to write imports and runs under a strict guard without a CUDA call;
+    the `is_available()` guard it no longer suggests is a query at import, which strict mode fails."""
+    assert "functools.cache" in FIX_HINTS["init"] and ".device" in FIX_HINTS["init"]
+    assert "--enginecheck-strict fails" in FIX_HINTS["init"]  # names the guard as what not to write
+    (tmp_path / "suggested_form.py").write_text(SUGGESTED)
+    (tmp_path / "guarded_form.py").write_text(GUARDED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with CudaGuard(strict=True) as guard:
+            suggested = __import__("suggested_form")
+            assert suggested.Layer()(torch.ones(4)).tolist() == [1.0] * 4
+        assert guard.accesses == []
+        with CudaGuard(strict=True) as guard:
+            __import__("guarded_form")
+    finally:
+        for name in ("suggested_form", "guarded_form"):
+            sys.modules.pop(name, None)
+    assert [(a.api, a.kind) for a in guard.accesses] == [("torch.cuda.is_available", "query")]
+    assert "functools.cache" in guard.accesses[0].fix_hint and ".device" in guard.accesses[0].fix_hint
 
 
 @pytest.mark.usefixtures("nvml_queries")

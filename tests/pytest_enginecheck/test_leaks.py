@@ -100,3 +100,44 @@ def test_a_segment_only_this_tree_held_is_a_leak_although_the_watch_ran() -> Non
     finally:
         if os.path.exists(path):
             os.unlink(path)
+
+
+# A process tree that shares one resource tracker, as the warm parent's forkserver tree does: a forked child creates a
+# Python SharedMemory (registered with the tracker) and leaves by os._exit without unlinking it, as vLLM's rank 0 does
+# with its TP group's shared-memory broadcast when the rank fails. argv[1]: "remove" to call remove_left_segments.
+FORKED_SEGMENT = """
+import multiprocessing, os, sys
+from multiprocessing import resource_tracker, shared_memory
+
+from pytest_enginecheck.leaks import remove_left_segments
+
+
+def leave_a_segment(conn):
+    conn.send(shared_memory.SharedMemory(create=True, size=4096).name)
+    os._exit(0)
+
+
+resource_tracker.ensure_running()  # before the fork, as the forkserver does: the child shares it
+reader, writer = multiprocessing.Pipe(duplex=False)
+child = multiprocessing.get_context("fork").Process(target=leave_a_segment, args=(writer,))
+child.start()
+name = reader.recv()
+child.join()
+assert os.path.exists(f"/dev/shm/{name}")
+print(name, remove_left_segments([name]) if sys.argv[1] == "remove" else "kept", flush=True)
+"""
+
+
+@pytest.mark.parametrize("remove", [True, False])
+def test_a_segment_a_forked_process_left_is_removed_and_the_tracker_told(remove: bool) -> None:
+    """remove_left_segments unlinks it and unregisters it from the shared tracker, which then has nothing to report
+    at the end of the run; without it, the segment stays until then and the tracker reports it."""
+    done = subprocess.run([sys.executable, "-c", FORKED_SEGMENT, "remove" if remove else "keep"], capture_output=True,
+                          text=True, timeout=60, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr
+    name, said = done.stdout.split(maxsplit=1)
+    assert not os.path.exists(f"/dev/shm/{name}")  # the tracker unlinks what is left when the tree is gone
+    if remove:
+        assert said.strip() == f"['{name}']" and done.stderr == ""
+    else:
+        assert "resource_tracker: There appear to be 1 leaked shared_memory objects" in done.stderr

@@ -6,6 +6,7 @@ diagnosis's tolerance 1e-4 + 1e-3 |x|: the clean Llama, Qwen2, Mixtral, Qwen3-Mo
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -46,6 +47,9 @@ def test_a_sharding_bug_that_keeps_the_greedy_tokens_fails_load(results: dict[st
     assert ("above the tolerance 0.0001 + 0.001 |x|. The first module whose output differs between "
             "tensor_parallel_size=1 and 2 is model.layers.1.self_attn.o_proj (RowParallelLinear): its weights do not "
             "reassemble to the TP=1 weights") in result.message
+    # and the code that loaded them: engine_ref's own loader (this bug scales the shard after it, in load_weights)
+    assert re.search(r"a sharding bug in its weight_loader: its parameters were loaded by LinearBase\.weight_loader "
+                     r"\(\S*engine_ref/model_executor/layers/linear\.py:\d+\)\.", result.message), result.message
     assert result.detail["forward_max_difference"] > 10 * 1e-3  # 10x the tolerance at |x| = 1 (RMS-normed)
     assert result.detail["module"] == "model.layers.1.self_attn.o_proj"
 

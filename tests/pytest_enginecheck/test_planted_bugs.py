@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import zoo_loader
 from tests.zoo_sessions import PLANTED, zoo_session
 
 # the fixture that reads a shared zoo session -> its name (started early: tests/zoo_sessions.py)
@@ -97,6 +98,9 @@ def test_each_bug_is_named_where_it_was_planted(planted: tuple[str, dict]) -> No
     shard = results[("ShardAndLeakLlamaForCausalLM", "load[tp=2]")]["message"]
     assert "The first module whose output differs between tensor_parallel_size=1 and 2 is " \
            "model.layers.1.mlp.down_proj (MirroredRowParallelLinear)" in shard
+    # the bug is in that layer's own weight_loader (zoo/engine_models.py): the diagnosis names it, file and line
+    assert f"a sharding bug in its weight_loader: its parameters were loaded by " \
+           f"{zoo_loader('MirroredRowParallelLinear.weight_loader')}." in shard
     quant = results[("QuantScaleLlamaForCausalLM", "quant[int8,tp=2]")]["message"]
     assert "model.layers.1.mlp.down_proj.weight (rank 0: relative error 0.05, 1.05x deq(W))" in quant
     poller = results[("PollerThreadLlamaForCausalLM", "startup")]

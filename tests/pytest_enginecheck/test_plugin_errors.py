@@ -25,7 +25,7 @@ COLLECTION_ERROR_EXIT = int(pytest.ExitCode.INTERRUPTED)  # what pytest exits wi
 def run_enginecheck(tmp_path: Path, site: Path, plugins: str) -> subprocess.CompletedProcess[str]:
     """``pytest --enginecheck --enginecheck-checks=import -k Oot`` with the site installed and ``plugins`` allowed:
     every item of the failing plugins is deselected, the clean twin's OOT_ARCH import runs."""
-    env = {**os.environ, "ENGINE_REF_PLUGINS": plugins,
+    env = {**os.environ, "ENGINE_REF_PLUGINS": plugins, "COLUMNS": "300",  # the header's lines unwrapped
            "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--enginecheck",
                            "--enginecheck-checks=import", "-k", "Oot"],
@@ -64,9 +64,9 @@ def test_a_raising_plugin_is_a_collection_error_though_its_items_are_not_selecte
 def test_the_header_names_the_architectures_a_raising_plugin_took_with_it(
         failing: subprocess.CompletedProcess[str]) -> None:
     header = [line for line in failing.stdout.splitlines() if line.startswith("enginecheck: ")]
-    assert header[0].startswith("enginecheck: target=engine_ref (")  # the settings line, as before
-    assert HALF_ARCH not in header[0]
-    assert header[1:] == [
+    assert header[0].startswith("enginecheck: target=engine_ref (")  # the settings lines, as before
+    assert header[1] == "enginecheck: checks=import" and HALF_ARCH not in "".join(header[:2])
+    assert header[2:] == [
         f"enginecheck: plugin '{name}' of distribution {PACKAGE} raised while the target was described (ERROR "
         f"collecting enginecheck::plugin:{name}): {lost}" for name, lost in [
             ("broken", "it registered no architecture before it raised: which ones it would have registered cannot "
@@ -82,7 +82,7 @@ def test_the_clean_twin_run_is_unchanged(site: Path, tmp_path: Path,
     assert clean.returncode == 0, clean.stdout + clean.stderr
     assert "1 passed" in clean.stdout and "error" not in clean.stdout.lower()
     header = [line for line in clean.stdout.splitlines() if line.startswith("enginecheck: ")]
-    assert len(header) == 1 and "architectures, 1 plugin)" in header[0]
+    assert len(header) == 2 and "architectures, 1 plugin)" in header[0]
     # The failing run checks the same architectures: the bundled ones and OOT_ARCH, not the one 'half' took with it.
     assert architectures(header[0]) == architectures(failing.stdout)
 

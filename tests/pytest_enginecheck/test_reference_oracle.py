@@ -7,6 +7,7 @@ self-consistency, and the summary says so. Pure tests of the reference's lookup 
 
 from __future__ import annotations
 
+from itertools import takewhile
 from typing import Any, ClassVar
 
 import pytest
@@ -61,7 +62,10 @@ def test_each_result_says_which_oracle_it_used(oracle_session: ZooSession) -> No
         "the declared zoo.planted_reference:HFScaledEmbedLlamaForCausalLM"
     norefs = results[("NoRefLlamaForCausalLM", ITEM)]["detail"]
     assert norefs["oracle"] == "self" and "declares no enginecheck_reference" in norefs["oracle_why"]
-    line = next(line for line in oracle_session.stdout.splitlines() if line.startswith(f"{ITEM} oracle:"))
+    lines = oracle_session.stdout.splitlines()  # the summary's oracle line, wrapped to the terminal, joined back
+    at = next(i for i, line in enumerate(lines) if line.startswith(f"{ITEM} oracle:"))
+    wrapped = [lines[at], *takewhile(lambda part: part.startswith("  "), lines[at + 1:])]
+    line = " ".join(part.strip() for part in wrapped)
     assert "8 against a reference implementation" in line
     assert line.endswith("1 self-consistency only (two seeds, KV cache against recomputing, TP sizes): "
                          "NoRefLlamaForCausalLM"), line

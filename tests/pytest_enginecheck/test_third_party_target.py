@@ -80,7 +80,7 @@ def test_a_third_party_target_is_found_by_its_entry_point_and_checked(site: Path
     out = pytest_run(tmp_path, site, "--enginecheck-target=toy", "-rA")
     text = out.stdout + out.stderr
     assert out.returncode == 1, text
-    assert "enginecheck: target=toy (2 architectures, 0 plugins), checks=import" in text
+    assert "enginecheck: target=toy (2 architectures, 0 plugins)\nenginecheck: checks=import\n" in text
     assert "not offered: plugins, inspect, load, budget, startup, lora, quant (the toy engine has no engine" in text
     assert "PASSED enginecheck::GoodForCausalLM::import" in text
     assert "FAILED enginecheck::CudaForCausalLM::import - Importing toyengine.models.cuda touched CUDA" in text

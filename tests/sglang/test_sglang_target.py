@@ -53,8 +53,10 @@ def test_out_of_tree_package_verdicts(sglang_run: Any) -> None:
         ("EcsgUnservableForCausalLM", "import"): "passed", ("EcsgUnservableForCausalLM", "inspect"): "failed",
     }, result.stdout.str()
     assert result.ret == 1
-    result.stdout.fnmatch_lines(["enginecheck: target=sglang (* architectures, 1 plugin), checks=plugins,import,"
-                                 "inspect, *; not offered: load, budget, startup (SGLang has no CPU build *"])
+    result.stdout.fnmatch_lines(["enginecheck: target=sglang (* architectures, 1 plugin)",
+                                 "enginecheck: checks=plugins,import,inspect"])
+    assert "enginecheck: not offered: load, budget, startup (SGLang has no CPU build " in " ".join(
+        line.strip() for line in result.outlines)  # the header's lines wrapped to the terminal, joined back
     cuda = by_item["EcsgCudaForCausalLM", "import"]["message"]
     assert cuda.startswith(f"Importing {PACKAGE}.cuda_model touched CUDA: it initialized CUDA: torch.cuda.init at ")
     assert f"{PACKAGE}/_impl/kernels.py:3" in cuda
@@ -98,7 +100,8 @@ def test_in_tree_mamba_modules_fail_their_import_for_causal_conv1d_fn(sglang_run
             f"'sglang.srt.layers.attention.mamba.mamba'"), result_["message"]
         assert result_["detail"]["kind"] == "exception"
     assert "target=sglang (0 plugins" not in result.stdout.str()  # the settings line counts architectures
-    result.stdout.fnmatch_lines(["enginecheck: target=sglang (* architectures, 0 plugins), checks=import, *"])
+    result.stdout.fnmatch_lines(["enginecheck: target=sglang (* architectures, 0 plugins)",
+                                 "enginecheck: checks=import"])
 
 
 def test_a_package_whose_init_raises_is_a_collection_error(sglang_run: Any) -> None:

@@ -60,8 +60,9 @@ def test_plugins_import_and_inspect_verdicts(vllm_run: Any) -> None:
     assert by_item["EctpCudaForCausalLM", "inspect"]["message"] == (
         "import failed, see enginecheck::EctpCudaForCausalLM::import")
     assert by_item["EctpClassForCausalLM", "inspect"]["detail"]["architecture"] == "EctpClassForCausalLM"
-    header = next(line for line in result.outlines if line.startswith("enginecheck: target=vllm"))
-    assert "checks=plugins,import,inspect," in header
+    header = [line for line in result.outlines if line.startswith("enginecheck: ")]  # target, then checks
+    assert header[0].startswith("enginecheck: target=vllm (") and header[1] == (
+        "enginecheck: checks=plugins,import,inspect, strict=on"), header
     # vLLM's log lines stay in the checks' captured output: none reaches the terminal of a run without failures
     # shown in full (-rfs shows only the short summary).
     assert not [line for line in result.outlines if " [registry.py:" in line or line.startswith("INFO ")]

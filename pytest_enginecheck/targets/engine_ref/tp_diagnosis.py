@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_enginecheck.targets.engine_ref.tp_explain import Capture, Diagnosis, explain_seeds, explain_tp
-from pytest_enginecheck.tp_compare import CallKeys, first_tensor
+from pytest_enginecheck.tp_compare import CallKeys, first_tensor, weight_loaders
 
 
 def _layout(module: Any) -> dict[str, Any] | None:
@@ -58,6 +58,9 @@ def capture(rank: int, world_size: int, spec: str, ckpt: str, prompt: list[int],
         own = {p: t.detach().clone() for p, t in module.named_parameters(recurse=False) if p in ("weight", "bias")}
         if own:
             result.params[name] = own
+        loaders = weight_loaders(module)
+        if loaders:
+            result.loaders[name] = loaders
 
         def pre(mod: Any, args: tuple, name: str = name) -> None:
             key = keys.enter(name)

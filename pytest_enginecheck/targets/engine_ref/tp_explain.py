@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_enginecheck.tp_compare import ATOL, RTOL, join_split, max_abs_diff, module_name
+from pytest_enginecheck.tp_compare import ATOL, RTOL, join_split, loaded_by, max_abs_diff, module_name
 from pytest_enginecheck.tp_compare import close as _close
 
 # ATOL, RTOL: TP=N against TP=1 (other reduction orders); two seeds at TP=1 must agree exactly (atol=rtol=0).
@@ -33,7 +33,8 @@ class Capture:
     A key is the module's name, ``name (call 2)`` for its later calls (a module shared by the layers).
     ``layouts`` (linear layers only): ``{"column": bool`` (the output is sharded), ``"input_start": int | None``
     (a row-parallel rank's first input column), ``"shards": {shard_id: (offset in this rank's output, size,
-    start in the TP=1 shard)}}``. ``params``: a module's own ``weight`` and ``bias``.
+    start in the TP=1 shard)}}``. ``params``: a module's own ``weight`` and ``bias``; ``loaders``: the weight loaders
+    of its own parameters (``tp_compare.weight_loaders``).
     """
 
     order: list[str] = field(default_factory=list)
@@ -43,6 +44,7 @@ class Capture:
     classes: dict[str, str] = field(default_factory=dict)
     layouts: dict[str, dict[str, Any]] = field(default_factory=dict)  # linear layers' sharding
     params: dict[str, dict[str, Any]] = field(default_factory=dict)  # module -> its own weight/bias
+    loaders: dict[str, list[str]] = field(default_factory=dict)  # module -> "qualname (file:line)" of its loaders
     failed_in: str | None = None  # the innermost module running when the forward raised
     error: str | None = None
 
@@ -224,8 +226,10 @@ def explain_tp(one: Capture, ranks: list[Capture], tp: int, started: bool = True
                 f"The first module whose output differs between {between} is {c.differs} ({cls})")
         problem = weights_problem(c.differs, one, ranks)
         if problem:
+            name = module_name(c.differs)
+            loaders = loaded_by(list(dict.fromkeys(n for r in ranks for n in r.loaders.get(name, []))))
             verdict = (f"{head}: its weights do not reassemble to the TP=1 weights ({problem}): a sharding bug in "
-                       f"its weight_loader.")
+                       f"its weight_loader{': ' + loaders if loaders else ''}.")
         else:
             verdict = (f"{head}: its weights reassemble to the TP=1 weights, but its output does not (max abs "
                        f"difference {c.max_abs_diff:.3g}): a missing or extra collective (an all-reduce skipped, "

@@ -1,5 +1,6 @@
 """The vLLM target's checks without vLLM: TP verification, the log-probability comparison and when it is skipped,
-and the import and inspect checks in one fork over a fake registry."""
+the import and inspect checks in one fork over a fake registry, and the TP diagnosis naming a module's weight
+loaders."""
 
 from __future__ import annotations
 
@@ -169,3 +170,100 @@ def test_a_crash_or_hang_while_building_the_stored_verdict_never_becomes_the_imp
     assert time.monotonic() - start < 30  # the hang was cut at STORE_TIMEOUT_S, not waited for
     assert not os.path.exists(inspect_check.inspection_path(CheckContext("inspect", "vllm", "ToyForCausalLM", "", "",
                                                                   str(tmp_path))))
+
+
+# --- checks.diagnosis: the weight loaders of the first differing module, named in the workers --------------------
+
+def test_a_weight_loader_is_named_with_its_function_file_and_line(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import functools
+
+    import torch
+
+    from pytest_enginecheck.tp_compare import loaded_by, loader_name, weight_loaders
+
+    monkeypatch.chdir(Path(__file__).parent)  # tmp_path is outside the working directory: its files named in full
+    source = tmp_path / "ectp_loaders.py"
+    source.write_text("import functools\n\n\nclass Layer:\n    def weight_loader(self, param, loaded):\n"
+                      "        pass\n\n\ndef load_scaled(param, loaded, scale):\n    pass\n\n\nclass Loader:\n"
+                      "    def __call__(self, param, loaded):\n        pass\n\n\n"
+                      "@functools.wraps(load_scaled)\ndef synced(*args):\n    pass\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        mod = importlib.import_module("ectp_loaders")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("ectp_loaders", None)
+    layer = mod.Layer()
+    assert loader_name(layer.weight_loader) == f"Layer.weight_loader ({source}:5)"  # a bound method: its function
+    assert loader_name(functools.partial(mod.load_scaled, scale=2)) == f"load_scaled ({source}:9)"  # what it wraps
+    assert loader_name(mod.Loader()) == f"Loader.__call__ ({source}:14)"
+    assert loader_name(mod.synced) == f"load_scaled ({source}:9)"  # functools.wraps: the wrapped function
+    assert loader_name(len) == "len" and loader_name(None) is None  # no Python source; no loader
+
+    module = torch.nn.Linear(2, 2)
+    module.weight.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
+    module.bias.weight_loader = functools.partial(mod.load_scaled, scale=2)  # type: ignore[attr-defined]
+    assert weight_loaders(module) == [f"Layer.weight_loader ({source}:5)", f"load_scaled ({source}:9)"]
+    module.bias.weight_loader = mod.Layer().weight_loader  # type: ignore[attr-defined]  # the same function
+    assert weight_loaders(module) == [f"Layer.weight_loader ({source}:5)"]
+    assert weight_loaders(torch.nn.Linear(2, 2)) == []
+    assert loaded_by(["A.w (a.py:1)", "B.w (b.py:2)", "C.w (c.py:3)"]) == (
+        "its parameters were loaded by A.w (a.py:1), B.w (b.py:2) and C.w (c.py:3)")
+    assert loaded_by([]) == ""
+
+
+FAKE_LINEAR = {
+    "vllm/model_executor/layers/__init__.py": "",
+    "vllm/model_executor/layers/linear.py": (
+        "import torch\n\nWEIGHT_LOADER_V2_SUPPORTED = ['UnquantizedLinearMethod']\n\n\n"
+        "class UnquantizedLinearMethod:\n    pass\n\n\nclass OtherMethod:\n    pass\n\n\n"
+        "class ColumnParallelLinear(torch.nn.Module):\n    def __init__(self, method):\n        super().__init__()\n"
+        "        self.quant_method = method\n"
+        "        self.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # packed: no loader\n\n"
+        "    def weight_loader(self, param, loaded):\n        pass\n\n"
+        "    def weight_loader_v2(self, param, loaded):\n        pass\n\n\n"
+        "class QKVParallelLinear(ColumnParallelLinear):\n    pass\n\n\n"
+        "class RowParallelLinear(ColumnParallelLinear):\n    pass\n"),
+    "vllm/model_executor/layers/vocab_parallel_embedding.py": "class VocabParallelEmbedding:\n    pass\n",
+}
+
+
+def test_a_weight_vllm_packed_after_loading_is_named_by_the_loader_its_layer_gave_it(
+        fake_vllm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU backend replaces a linear layer's weight by a packed one without its loader: the diagnosis names
+    the loader vLLM's layer gives its weight (weight_loader_v2 for the quant methods vLLM lists), in the worker."""
+    import torch
+
+    from pytest_enginecheck.targets.vllm.checks.diagnosis import RankCapture, compare, module_loaders
+
+    monkeypatch.chdir(Path(__file__).parent)  # the fake vLLM is outside the working directory: named in full
+    root = fake_vllm(FAKE_LINEAR)
+    linear = importlib.import_module("vllm.model_executor.layers.linear")
+    path = root / "vllm" / "model_executor" / "layers" / "linear.py"
+    lines = path.read_text().splitlines()
+    v1, v2 = (lines.index(f"    def {name}(self, param, loaded):") + 1 for name in ("weight_loader",
+                                                                                    "weight_loader_v2"))
+    row = linear.RowParallelLinear(linear.UnquantizedLinearMethod())
+    assert module_loaders(row) == [f"ColumnParallelLinear.weight_loader_v2 ({path}:{v2})"]
+    assert module_loaders(linear.RowParallelLinear(linear.OtherMethod())) == [
+        f"ColumnParallelLinear.weight_loader ({path}:{v1})"]
+    row.weight.weight_loader = row.weight_loader  # not packed: the parameter's own loader
+    assert module_loaders(row) == [f"ColumnParallelLinear.weight_loader ({path}:{v1})"]
+    assert module_loaders(torch.nn.LayerNorm(2)) == []  # not a parallel linear layer, no loader
+
+    x, full = torch.randn(3, 8), torch.randn(3, 4)
+    one, ranks = RankCapture(rank=0), [RankCapture(rank=r) for r in range(2)]
+    name = "model.layers.1.mlp.down_proj"
+    row_layout = {"style": "whole", "how": "all-reduced", "local": {"style": "partial"}}
+    for capture, inp, out, local in zip([one, *ranks], [x, x[:, :4], x[:, 4:]], [full, full + 1, full + 1],
+                                        [None, full / 2 + 1, full / 2], strict=True):
+        capture.order.append(name)
+        capture.outputs[name], capture.inputs[name], capture.classes[name] = out, inp, "RowParallelLinear"
+        capture.layouts[name] = row_layout if capture is not one else {"style": "whole"}
+        capture.loaders[name] = [f"ColumnParallelLinear.weight_loader_v2 ({path}:{v2})"]
+        if local is not None:
+            capture.local[name] = local
+    assert compare(one, ranks, 2).endswith(
+        f"{name}'s weight shards are wrong (a sharding bug in its weight_loader; a row-parallel weight needs its "
+        f"rank's input columns): its parameters were loaded by ColumnParallelLinear.weight_loader_v2 ({path}:{v2}).")

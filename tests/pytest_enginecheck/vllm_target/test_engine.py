@@ -190,6 +190,10 @@ RANK_OUTPUT = """\
 (vllm-rank-0 pid=7) ERROR 12-02 01:48:12 [core.py:9] EngineCore failed to start.
 (vllm-rank-0 pid=7) ERROR 12-02 01:48:12 [core.py:9] RuntimeError: shape mismatch
 Fatal Python error: Segmentation fault
+(vllm-rank-0 pid=7) WARNING 12-02 01:48:09 [cpu_worker.py:51] Node 0 is not in available memory nodes [1].
+/venv/lib/python3.12/site-packages/torch/cuda/__init__.py:61: FutureWarning: The pynvml package is deprecated.
+  import pynvml  # type: ignore[import]
+Loading safetensors checkpoint shards: 100% Completed | 1/1 [00:00<00:00, 61.20it/s]
 
 """
 
@@ -200,8 +204,8 @@ def test_a_rank_that_failed_keeps_its_warnings_and_errors_without_vllms_noise() 
     lines = RANK_OUTPUT.splitlines()
     assert trimmed_log(RANK_OUTPUT, failed=True, label="vllm-rank-0").splitlines() == [
         lines[1], lines[6], lines[7], lines[8],
-        "(enginecheck: 5 lines of vllm-rank-0's output, vLLM's log not about this outcome, left out; "
-        "ENGINECHECK_VLLM_LOG=full keeps them)"]
+        "(enginecheck: 9 lines of vllm-rank-0's output (vLLM's log not about this outcome, warnings, progress bars, "
+        "known noise) left out; ENGINECHECK_FULL_OUTPUT=1 shows them)"]
 
 
 def test_a_rank_that_answered_keeps_only_its_errors_and_full_keeps_everything(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -211,7 +215,10 @@ def test_a_rank_that_answered_keeps_only_its_errors_and_full_keeps_everything(mo
     assert trimmed_log(RANK_OUTPUT, failed=False).splitlines()[:3] == [lines[6], lines[7], lines[8]]
     assert "Chat template" not in trimmed_log(RANK_OUTPUT, failed=False)
     assert trimmed_log("", failed=False) == ""
-    monkeypatch.setenv("ENGINECHECK_VLLM_LOG", "full")
+    monkeypatch.setenv("ENGINECHECK_FULL_OUTPUT", "1")
+    assert trimmed_log(RANK_OUTPUT, failed=False) == RANK_OUTPUT
+    monkeypatch.delenv("ENGINECHECK_FULL_OUTPUT")
+    monkeypatch.setenv("ENGINECHECK_VLLM_LOG", "full")  # its older name, kept
     assert trimmed_log(RANK_OUTPUT, failed=False) == RANK_OUTPUT
 
 

@@ -8,7 +8,9 @@ layer that does not reduce its results, whole for a reduced or gathered one) and
 the order the modules finished. vLLM's CPU backend packs linear weights after loading, so weights are not
 compared; instead the hook of a row-parallel (or gathering) layer keeps the rank's own product before its
 collective (the layer's ``quant_method.apply`` on its local input), which tells a wrong weight shard from a
-wrong collective. A module that cannot be put back together or compared is reported, never skipped.
+wrong collective. A module that cannot be put back together or compared is reported, never skipped. Where a module's
+weight shards are wrong, the weight loaders of its parameters (read in the workers, ``module_loaders``) are named
+with their file and line.
 """
 
 from __future__ import annotations
@@ -18,8 +20,18 @@ from typing import Any
 
 from pytest_enginecheck.targets.vllm.engine.drive import EngineStartError, EngineWork, HookedPrefill
 from pytest_enginecheck.targets.vllm.engine.run import run_engine
-from pytest_enginecheck.targets.vllm.probe import VllmUnavailable, sharding_api, worker_model
-from pytest_enginecheck.tp_compare import CallKeys, close, first_tensor, join_split, max_abs_diff, module_name
+from pytest_enginecheck.targets.vllm.probe import LINEAR_MODULE, VllmUnavailable, sharding_api, worker_model
+from pytest_enginecheck.tp_compare import (
+    CallKeys,
+    close,
+    first_tensor,
+    join_split,
+    loaded_by,
+    loader_name,
+    max_abs_diff,
+    module_name,
+    weight_loaders,
+)
 
 _STATE = "_enginecheck_capture"  # the worker attribute holding the hooks and what they captured
 
@@ -36,6 +48,7 @@ class RankCapture:
     classes: dict[str, str] = field(default_factory=dict)
     layouts: dict[str, dict[str, Any]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # a hook that could not record the call, and why
+    loaders: dict[str, list[str]] = field(default_factory=dict)  # module -> "qualname (file:line)" of its loaders
 
 
 def layout(module: Any) -> dict[str, Any]:
@@ -79,6 +92,29 @@ def _local_product(module: Any, x: Any) -> Any:
     return module.quant_method.apply(module, x, bias)
 
 
+def module_loaders(module: Any) -> list[str]:
+    """The weight loaders of the module's parameters, as ``qualname (file:line)`` (``tp_compare.weight_loaders``).
+
+    vLLM's CPU backend replaces a linear layer's weight after loading by a packed one that carries no loader; for it,
+    the loader vLLM's parallel linear layers give their weight when they create it: ``weight_loader_v2`` where the
+    layer's quant method is one of vLLM's ``WEIGHT_LOADER_V2_SUPPORTED``, else ``weight_loader``.
+    """
+    import importlib
+
+    found = weight_loaders(module)
+    api = sharding_api()
+    weight = dict(module.named_parameters(recurse=False)).get("weight")
+    packed = weight is not None and getattr(weight, "weight_loader", None) is None
+    if not (packed and isinstance(module, (api.column, api.row))):
+        return found
+    supported = getattr(importlib.import_module(LINEAR_MODULE), "WEIGHT_LOADER_V2_SUPPORTED", None)
+    if supported is None:
+        return found
+    v2 = type(getattr(module, "quant_method", None)).__name__ in supported
+    name = loader_name(getattr(module, "weight_loader_v2" if v2 else "weight_loader", None))
+    return [name, *(n for n in found if n != name)] if name else found
+
+
 def install_hooks(worker: Any) -> int:
     """Run on each vLLM worker (``collective_rpc``): hook every module of its model; the number hooked."""
     model = worker_model(worker)
@@ -95,6 +131,10 @@ def install_hooks(worker: Any) -> int:
             why = f"its sharding cannot be read ({type(e).__name__}: {e})"
             capture.layouts[name] = {"style": "unknown", "why": why}
         keeps_local = "local" in capture.layouts[name]
+        try:
+            capture.loaders[name] = module_loaders(module)
+        except Exception:  # noqa: BLE001 - a loader it cannot read is not named; the diagnosis goes on
+            capture.loaders[name] = []
 
         def pre(mod: Any, args: tuple, name: str = name) -> None:
             key = keys.enter(name)
@@ -167,6 +207,12 @@ def reassemble(full: Any, parts: list[Any], layout: dict[str, Any]) -> tuple[Any
     return None, f"its ranks' output shapes {shapes} do not reassemble to the TP=1 shape {tuple(full.shape)}"
 
 
+def _loaders(name: str, ranks: list[RankCapture]) -> str:
+    """``: its parameters were loaded by ...`` (the loaders the ranks read for module ``name``), or nothing."""
+    named = loaded_by(list(dict.fromkeys(n for r in ranks for n in r.loaders.get(name, []))))
+    return f": {named}" if named else ""
+
+
 def _own_products(key: str, one: RankCapture, ranks: list[RankCapture]) -> str:
     """Whether the ranks' own products (kept before the collective) put back together give TP=1's output."""
     name = module_name(key)
@@ -180,7 +226,7 @@ def _own_products(key: str, one: RankCapture, ranks: list[RankCapture]) -> str:
     if not close(rebuilt, one.outputs[key]):
         return (f"its ranks' own products (before the collective) do not make the TP=1 output either (they differ "
                 f"by {max_abs_diff(rebuilt, one.outputs[key]):.3g}): {name}'s weight shards are wrong (a sharding bug "
-                f"in its weight_loader; a row-parallel weight needs its rank's input columns)")
+                f"in its weight_loader; a row-parallel weight needs its rank's input columns){_loaders(name, ranks)}")
     return ("its ranks' own products make the TP=1 output, its output after the collective does not: a missing or "
             "extra collective (an all-reduce skipped, repeated or on the wrong tensor)")
 
@@ -205,7 +251,8 @@ def _why_it_differs(key: str, one: RankCapture, ranks: list[RankCapture]) -> str
         return f", while {said}; {_own_products(key, one, ranks)}"
     if style == "column" and said == "its input agrees":
         return (f", while {said}: each rank's output is its own weight shard's product, with no collective, so "
-                f"{name}'s weight shards do not make the TP=1 weight (a sharding bug in its weight_loader)")
+                f"{name}'s weight shards do not make the TP=1 weight (a sharding bug in its weight_loader)"
+                f"{_loaders(name, ranks)}")
     return f"; {said}"
 
 

@@ -3,10 +3,11 @@
 Each rank writes its stdout and stderr (vLLM's log, Python warnings, a faulthandler dump) to its own file
 (``capture_output``); after the ranks end, ``trimmed_log`` keeps what a model author needs: where a rank failed,
 that rank's WARNING and ERROR records and everything that is not a vLLM log record (a raw traceback, a crash's
-stacks); where all ranks answered, only ERROR records and non-record lines. vLLM's known noise
-(``NOISE``: a tokenizer-less engine's chat-template warmup traceback, the CPU worker's thread-count notice) is
-dropped either way. ``ENGINECHECK_VLLM_LOG=full`` keeps every line. The check's own message comes first in
-pytest's report; this text is what pytest shows under "Captured stderr".
+stacks); where all ranks answered, only ERROR records and non-record lines. vLLM's known noise (``NOISE``: a
+tokenizer-less engine's chat-template warmup traceback, the CPU worker's thread-count notice) and what every target
+drops (``pytest_enginecheck.output``: Python warnings, progress bars, NUMA notices) go either way, counted in one
+line. ``ENGINECHECK_FULL_OUTPUT=1`` keeps every line (``ENGINECHECK_VLLM_LOG=full``, its older name, too). The
+check's own message comes first in pytest's report; this text is what pytest shows under "Captured stderr".
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import os
 import re
 from dataclasses import dataclass
 
-FULL_LOG_ENV = "ENGINECHECK_VLLM_LOG"
+from pytest_enginecheck.output import full_output, left_out, without_noise
+
 # vLLM's log line: "(<process> pid=N) LEVEL MM-DD HH:MM:SS [file.py:line] text" (the prefix only in its subprocesses
 # and named forks); a multi-line record repeats the same header on every line.
 RECORD = re.compile(r"^(?P<header>(?:\([^)]*\) )?(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) "
@@ -64,7 +66,7 @@ def _noise(record: _Record) -> bool:
 def trimmed_log(text: str, failed: bool, label: str = "") -> str:
     """``text`` (the output of ``label``, a rank) without vLLM's noise and, unless ``failed``, without its WARNING
     records; INFO and DEBUG records always go. Ends with one line saying how many lines were left out, if any."""
-    if os.environ.get(FULL_LOG_ENV) == "full":
+    if full_output():
         return text
     kept: list[str] = []
     dropped = 0
@@ -75,7 +77,8 @@ def trimmed_log(text: str, failed: bool, label: str = "") -> str:
             kept.extend(record.lines)
         else:
             dropped += len(record.lines)
-    if dropped:
-        kept.append(f"(enginecheck: {dropped} lines of {label or 'a rank'}'s output, vLLM's log not about this "
-                    f"outcome, left out; {FULL_LOG_ENV}=full keeps them)")
+    kept, noise = without_noise(kept)
+    if dropped + noise:
+        kept.append(left_out(dropped + noise, f"{label or 'a rank'}'s output (vLLM's log not about this outcome, "
+                                              f"warnings, progress bars, known noise)"))
     return "\n".join(kept) + "\n" if kept else ""

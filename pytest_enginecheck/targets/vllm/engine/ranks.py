@@ -141,18 +141,21 @@ def _shm_entries() -> set[str]:
         return set()
 
 
-def _remove_left_shm(before: set[str]) -> None:
+def _remove_left_shm(before: set[str], python_segments: bool = True) -> None:
     """Unlink vLLM's CPU all-reduce segments (``<ident>-tp:0-[0-1]-cpushm_<rank>``) that appeared since ``before``
     and no process holds. vLLM unlinks them in a static destructor, which runs at a normal interpreter exit but
     not when a forked rank leaves by os._exit (nor when it is killed); and it names them alike for every
     external-launcher engine (``VLLM_DIST_IDENT`` comes from the ``env://`` init method), so the next TP=N start
-    on this machine would fail with errno 17 (EEXIST) in ``init_device``."""
-    from pytest_enginecheck.leaks import unowned_shm_entries
+    on this machine would fail with errno 17 (EEXIST) in ``init_device``.
 
-    for name in (_shm_entries() - before) & unowned_shm_entries(set()):
-        if SHM_MARK in name:
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(SHM_DIR, name))
+    With ``python_segments``, also the Python SharedMemory segments (``psm_*``) that appeared: rank 0's shared-memory
+    broadcast of the TP group (vLLM's MessageQueue, 24 MiB), which vLLM unlinks only when the group is destroyed, so
+    a rank that failed or was killed leaves it, registered with the resource tracker of the warm parent's tree, which
+    reports it at the end of the run ("There appear to be N leaked shared_memory objects")."""
+    from pytest_enginecheck.leaks import PYTHON_SHM_PREFIX, remove_left_segments
+
+    remove_left_segments(name for name in _shm_entries() - before
+                         if SHM_MARK in name or (python_segments and name.startswith(PYTHON_SHM_PREFIX)))
 
 
 @contextlib.contextmanager
@@ -186,7 +189,7 @@ def run_ranks(ckpt: str, tp: int, timeout: float, engine_args: dict[str, Any], w
     with _one_multirank_engine_at_a_time(deadline):
         # What an engine killed mid-run left (a check's timeout kills its whole tree before _remove_left_shm runs):
         # under the lock no other TP>1 engine of ours runs, so a segment nobody maps is a leftover, not a peer's.
-        _remove_left_shm(set())
+        _remove_left_shm(set(), python_segments=False)  # a psm_* nobody holds may be another tree's, its tracker's
         return _fork_ranks(ckpt, tp, deadline, engine_args, work)
 
 
