@@ -54,7 +54,12 @@ CHECK_SPECS = (
               proves=("the engine's own registry can inspect the class in a subprocess")),
     CheckSpec("load", "Loading {architecture} at tensor_parallel_size={tp}",
               tp=True, roots="build", options=("tp", "strict"),
-              proves=("it builds and loads on N real CPU ranks (gloo); two TP=1 runs under different seeds agree "
+              proves=("it builds and loads on N real CPU ranks (gloo); at TP=1 its log-probabilities on each prompt "
+                      "and its own generated tokens equal a reference implementation's on the same tiny checkpoint "
+                      "(transformers' class of the architecture's own name, or the one its class declares in "
+                      "`enginecheck_reference`; float32, within 1e-4), else the first position and the first module "
+                      "where they part are named, and the summary says which architectures had no reference; two "
+                      "TP=1 runs under different seeds agree "
                       "(tokens, and every module's output in a hooked forward), else it is reported as "
                       "nondeterministic, naming the first module whose output changes, and TP sizes are not "
                       "compared; TP=N generates what TP=1 does, with the same final hidden states in a hooked "
