@@ -260,13 +260,14 @@ def test_default_run_with_a_raising_plugin_is_not_green(site_dir: Path, pytester
     result.stdout.fnmatch_lines(["Loading engine_ref plugin 'broke*", "ERROR enginecheck::plugin:broken"])
 
 
-# -- the README's "Check your own model", run as written ---------------------------------------------
+# -- docs/engine_ref-authors.md's "Check your own model", run as written -----------------------------
 
 
 def readme_files() -> dict[str, str]:
-    """The README section's code blocks, by the file each names on its first line (``# path``)."""
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme.split("\n## Check your own model\n", 1)[1].split("\n## ", 1)[0]
+    """The code blocks of "Check your own model" in docs/engine_ref-authors.md (the README links it), by the file
+    each names on its first line (``# path``)."""
+    page = (Path(__file__).parents[2] / "docs" / "engine_ref-authors.md").read_text()
+    section = page.split("\n## Check your own model\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```(?:python|toml)\n(.*?)```", section, flags=re.S)
     return {block.splitlines()[0].removeprefix("# "): block for block in blocks}
 
@@ -293,3 +294,26 @@ def test_readme_example_passes_every_check(pytester: pytest.Pytester, monkeypatc
     result.assert_outcomes(passed=6, deselected=len(ARCHITECTURES) * 5)
     assert plugins["plugin:my_models"]["outcome"] == "passed"
     result.stdout.fnmatch_lines(["*enginecheck::TinyLlamaForCausalLM::load?tp=2? PASSED*"])
+
+
+def test_fail_on_skip_plugins_fails_a_skip_of_what_the_plugins_registered_only(
+        site_dir: Path, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No silent green for an author's own models: with --enginecheck-fail-on-skip=plugins, the plugin's
+    OotLlamaForCausalLM fails an item it would skip (4 heads over 3 ranks), the bundled Llama's stays a skip, and the
+    summary names the reason without -rs."""
+    report = pytester.path / "enginecheck.json"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site_dir), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("ENGINE_REF_PLUGINS", "oot")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--enginecheck", "-m", "enginecheck",
+                                           f"--enginecheck-json={report}", "--enginecheck-checks=load",
+                                           "--enginecheck-tp=3", "--enginecheck-fail-on-skip=plugins", "-k",
+                                           "LlamaForCausalLM and not Llava")
+    results = {r["arch"]: r for r in json.loads(report.read_text())["results"]}
+    assert (results["OotLlamaForCausalLM"]["outcome"], results["LlamaForCausalLM"]["outcome"]) == ("failed", "skipped")
+    oot = results["OotLlamaForCausalLM"]
+    assert oot["message"].startswith("OotLlamaForCausalLM load[tp=3] was not checked (")
+    assert oot["message"].endswith("--enginecheck-fail-on-skip selects OotLlamaForCausalLM: make the check apply to "
+                                   "it, or leave it out of --enginecheck-fail-on-skip.")
+    assert oot["detail"]["kind"] == "required_skip"
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["skipped 1: tensor_parallel_size=3 does not divide*", "*(LlamaForCausalLM)"])

@@ -1,5 +1,5 @@
 """The table of checks (``checks.CHECK_SPECS``) is what registration, item names, roots, the options' help and the
-README derive from: none of them can drift from it."""
+table in docs/checks.md derive from: none of them can drift from it."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from pytest_enginecheck.checks import CHECK_SPECS, CHECKS, SPECS, CheckContext, 
 from pytest_enginecheck.options import HELP, option_help
 from pytest_enginecheck.targets import declared_options
 
-README = Path(__file__).parents[2] / "README.md"
+CHECKS_PAGE = Path(__file__).parents[2] / "docs" / "checks.md"  # the README links it
 
 
-def test_the_readme_table_is_the_spec_table() -> None:
-    assert markdown_table() in README.read_text(), (
-        "README.md's table of checks differs from CHECK_SPECS: paste `python -m pytest_enginecheck.checks` into it")
+def test_the_docs_table_is_the_spec_table() -> None:
+    assert markdown_table() in CHECKS_PAGE.read_text(), (
+        "docs/checks.md's table differs from CHECK_SPECS: paste `python -m pytest_enginecheck.checks` into it")
     out = subprocess.run([sys.executable, "-m", "pytest_enginecheck.checks"], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == markdown_table()
