@@ -77,6 +77,8 @@ class CheckItem(pytest.Item):
         # the wait for its turn is the run's, not the check's: a phase beside its own, not in its duration
         self.result = dataclasses.replace(result, phases={**result.phases, "turn.wait": round(waited, 4)}
                                           ) if waited else result
+        if self.ctx.required and self.result.outcome == "skipped" and self.result.detail.get("kind") != "dependency":
+            self.result = required_skip(self.result)
         self.user_properties.append((RESULT_PROPERTY, json.dumps(self.result.to_dict())))
         if self.result.outcome == "failed":
             raise CheckFailure(self.result.message, self.result.detail)
@@ -105,6 +107,14 @@ class CheckItem(pytest.Item):
 
     def reportinfo(self) -> tuple[Any, int | None, str]:
         return self.path, None, f"enginecheck {self.ctx.architecture} {self.name}"
+
+
+def required_skip(result: CheckResult) -> CheckResult:
+    """A skip of an architecture --enginecheck-fail-on-skip selects, as the failure it is for this run."""
+    return dataclasses.replace(result, outcome="failed", message=(
+        f"{result.arch} {result.check} was not checked ({result.message}), and --enginecheck-fail-on-skip selects "
+        f"{result.arch}: make the check apply to it, or leave it out of --enginecheck-fail-on-skip."),
+        detail={**result.detail, "kind": "required_skip", "skip_reason": result.message})
 
 
 class PluginErrorCollector(pytest.Collector):

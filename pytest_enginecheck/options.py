@@ -57,6 +57,10 @@ HELP = {
     "import_profile": "print, per architecture, the N modules its import spent the most time in (self time, with the "
                       "chain that pulled each in), then the N that cost the most summed over all architectures",
 }
+HELP["fail_on_skip"] = ("comma-separated architectures whose skipped items fail instead (a skip is never a silent "
+                        "green for them): 'plugins' (those the target's general plugins registered: an author's own "
+                        "models), 'all', or fnmatch patterns of architecture names, e.g. 'My*ForCausalLM'; a skip "
+                        "because a check it depends on failed stays a skip")
 HELP["html"] = ("write a self-contained HTML report to this path: the architecture x check grid (a cell opens its "
                 "message, detail and phase timings) and the budget items' memory per rank; it must be writable")
 
@@ -97,6 +101,7 @@ def add_options(parser: pytest.Parser) -> None:
     _add(group, parser, "trace", metavar="DIR")
     _add(group, parser, "html", metavar="PATH")
     _add(group, parser, "import_profile", metavar="N")
+    _add(group, parser, "fail_on_skip", metavar="ARCHITECTURES")
     for option in declared_options():
         _add(group, parser, option.name, text=option.help, metavar=option.metavar, choices=option.choices or None)
 
@@ -239,4 +244,5 @@ def resolve_settings(config: pytest.Config) -> Settings:
         import_profile=_import_profile(config),
         html_path=_writable_file(config, "enginecheck_html"),
         target_options=target_options,
+        fail_on_skip=tuple(_csv(_get(config, "enginecheck_fail_on_skip") or "")),
     )

@@ -62,7 +62,8 @@ class RegistryTarget(Target):
         with tempfile.TemporaryFile() as log:
             try:
                 with output_into(log.fileno()) if self.quiet else contextlib.nullcontext():
-                    errors = plugin_errors(self, loader.load_plugins(strict)) if loader else ()
+                    outcomes = loader.load_plugins(strict) if loader else ()
+                    errors = plugin_errors(self, outcomes)
                     found = self.architectures(strict)
                     plugins = loader.list_plugins() if loader else ()
             except self.unavailable() as e:
@@ -75,4 +76,6 @@ class RegistryTarget(Target):
                 raise TargetError(f"--enginecheck-target={self.spec} could not be loaded: {type(e).__name__}: {e}"
                                   + (f"\nIts output:\n{printed}" if printed else "")) from None
         entries, listed = without_failed(found.entries, plugins, errors)
-        return dataclasses.replace(found, entries=entries, plugins=listed, plugin_errors=errors)
+        registered = tuple(dict.fromkeys(arch for outcome in outcomes for arch in outcome.registered))
+        return dataclasses.replace(found, entries=entries, plugins=listed, plugin_errors=errors,
+                                   from_plugins=registered)

@@ -92,6 +92,7 @@ def summary_table(results: list[dict[str, Any]], mode: str = "all", others: Mapp
             f"{counts['skipped']} skipped{because}")
     rest = ", ".join(f"{n} {outcome}" for outcome, n in (others or {}).items() if n)
     prose.append(f"{line}; other tests: {rest}" if rest else line)
+    prose.extend(skip_lines(results))
     oracles = oracle_line(results)
     if oracles:
         prose.append(oracles)
@@ -169,10 +170,30 @@ def _items_words(name: str, items: list[str]) -> str:
 
 
 ORACLE_ITEM = "load[tp=1]"  # the item whose detail says what the model's output was compared with
-ORACLE_WORDS = {"reference": "against a reference implementation",
+ORACLE_WORDS = {"reference": "against a reference implementation (transformers' class of its name, or as named)",
                 "self": "self-consistency only (two seeds, KV cache against recomputing, TP sizes)",
                 "none": "compared with nothing (built, loaded and generated)"}
 NAMED = 4  # architectures named per oracle kind before "and N more"
+
+
+SKIP_REASON_CHARS = 160  # of a skip's reason in its summary line
+
+
+def skip_reason(result: dict[str, Any]) -> str:
+    """A skip's reason as its group in the summary: its message's first line, the architecture's name left out."""
+    first = (result.get("message", "").splitlines() or [""])[0].replace(result["arch"], "<architecture>")
+    return first if len(first) <= SKIP_REASON_CHARS else first[: SKIP_REASON_CHARS - 3] + "..."
+
+
+def skip_lines(results: list[dict[str, Any]]) -> list[str]:
+    """One line per reason the run skipped items for (the most items first), naming their architectures: a skip is
+    never a silent green, with or without -rs. Skips because a check they depend on failed are counted above."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        if r["outcome"] == "skipped" and r["detail"].get("kind") != "dependency":
+            groups.setdefault(skip_reason(r), []).append(r)
+    return [f"skipped {len(group)}: {reason} ({_named(sorted({r['arch'] for r in group}))})"
+            for reason, group in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
 
 
 def _named(names: list[str]) -> str:
@@ -188,7 +209,8 @@ def oracle_line(results: list[dict[str, Any]]) -> str | None:
         kind = r["detail"].get("oracle") if r["check"] == ORACLE_ITEM else None
         if kind in ORACLE_WORDS:
             reference = r["detail"].get("reference")
-            by_kind.setdefault(kind, []).append(f"{r['arch']} ({reference})" if reference else r["arch"])
+            own = reference in (None, f"transformers' {r['arch']}")  # its own name's: said once, in ORACLE_WORDS
+            by_kind.setdefault(kind, []).append(r["arch"] if own else f"{r['arch']} ({reference})")
     if not by_kind:
         return None
     parts = [f"{len(names)} {ORACLE_WORDS[kind]}: {_named(names)}" for kind in ORACLE_WORDS

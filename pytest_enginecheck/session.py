@@ -9,6 +9,7 @@ closes the run with the summary table and the JSON report.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import pickle
@@ -125,13 +126,23 @@ class EngineCheckSession:
         return self._workdir
 
     def contexts(self, entry: ArchEntry, checks: tuple[str, ...]) -> list[CheckContext]:
-        """One context per item of ``entry``: per check, and per TP size for TP_CHECKS."""
-        s = self.settings
+        """One context per item of ``entry``: per check, and per TP size for TP_CHECKS; a quantization method the
+        target refuses here (vLLM's fp8) makes no item (the header names it once)."""
+        s, offer = self.settings, self.description.offer
+        required = self.required(entry.architecture)
+        methods = tuple(m for m in s.quant_methods if offer.why_not(f"quant[{m}]") is None)
         return [CheckContext(check=check, spec=s.target, architecture=entry.architecture, module=entry.module,
-                             class_name=entry.class_name, workdir=self.workdir, tp=tp, quantization=method, options=s)
+                             class_name=entry.class_name, workdir=self.workdir, tp=tp, quantization=method, options=s,
+                             required=required)
                 for check in checks if check != "plugins"
-                for method in (s.quant_methods if check == "quant" else (None,))
+                for method in (methods if check == "quant" else (None,))
                 for tp in (s.tp_sizes if check in TP_CHECKS else (1,))]
+
+    def required(self, architecture: str) -> bool:
+        """Whether --enginecheck-fail-on-skip selects ``architecture``: its items' skips fail."""
+        chosen = self.settings.fail_on_skip
+        return ("all" in chosen or ("plugins" in chosen and architecture in self.description.from_plugins)
+                or any(fnmatch.fnmatchcase(architecture, pattern) for pattern in chosen))
 
     def plugin_contexts(self, description: TargetDescription) -> dict[str, list[CheckContext]]:
         """The plugins check: one item per general-plugin entry point, ``enginecheck::plugin:<name>::plugins``."""

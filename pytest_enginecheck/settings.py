@@ -38,5 +38,7 @@ class Settings:
     trace_dir: str | None = None  # ENGINE_REF_TRACE_DIR of the check children's engines
     html_path: str | None = None  # --enginecheck-html: the self-contained HTML report (html_report.py)
     import_profile: int = 0  # modules per architecture the import profile prints (0: no profile printed)
+    # --enginecheck-fail-on-skip: the architectures whose skipped items fail ("plugins", "all" or fnmatch patterns)
+    fail_on_skip: tuple[str, ...] = ()
     # The targets' own options (``Target.options``), as (name, value): a check reads one with ``TargetOption.value``.
     target_options: tuple[tuple[str, str], ...] = ()

@@ -134,6 +134,7 @@ class CheckContext:
     plugin: str = ""  # the plugins check: the entry point's name (``module`` is its module)
     quantization: str | None = None  # the quant check: the method (``--enginecheck-quant``)
     options: Settings = field(default_factory=Settings)  # the run's resolved options (``ctx.options.timeout``)
+    required: bool = False  # --enginecheck-fail-on-skip selects its architecture: its skip is a failure
 
 
 def item_name(ctx: CheckContext) -> str:

@@ -110,6 +110,7 @@ class TargetDescription:
     offer: Offer
     plugins: tuple[tuple[str, str, str], ...] = ()  # the target's general plugins: (name, value, distribution)
     plugin_errors: tuple[PluginError, ...] = ()  # the plugins that raised while it was described
+    from_plugins: tuple[str, ...] = ()  # the architectures its general plugins registered (an author's own models)
 
 
 @dataclass(frozen=True)

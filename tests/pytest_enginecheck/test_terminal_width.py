@@ -22,7 +22,8 @@ def main_job(*extra: tuple[str, str, str]) -> list[dict[str, object]]:
                 for arch in BUNDLED for item in ITEMS}
     outcomes["MixtralForCausalLM", "load[tp=2]"] = "failed"
     outcomes.update({(arch, item): outcome for arch, item, outcome in extra})
-    return [{"arch": arch, "check": item, "outcome": outcome, "detail": {}}
+    return [{"arch": arch, "check": item, "outcome": outcome, "detail": {},
+             "message": f"{arch}: no LoRA" if outcome == "skipped" else ""}
             for (arch, item), outcome in outcomes.items()]
 
 
@@ -46,7 +47,8 @@ def test_the_main_jobs_table_fits_80_and_120_columns(width: int) -> None:
     assert rows["LlavaForConditionalGeneration"] == [".", ".", "..", "..", ".", "ss", "ssss"]
     assert legend_of(lines) == (". passed, F failed, s skipped, - not run; a mark per item: load, budget, lora "
                                 "tp=1,2; quant fp8 tp=1,2, int8 tp=1,2")
-    assert lines[-1] == "5 architectures: 58 passed, 1 failed, 6 skipped"
+    assert lines[-2:] == ["5 architectures: 58 passed, 1 failed, 6 skipped",
+                          "skipped 6: <architecture>: no LoRA (LlavaForConditionalGeneration)"]
 
 
 def test_every_item_keeps_its_outcome_in_the_narrow_table() -> None:
@@ -97,8 +99,9 @@ def test_the_counts_and_the_cache_line_wrap_at_word_boundaries() -> None:
     results[0]["detail"] = {"cache": {"memory": 70, "disk": 49, "missing": 5}}
     lines = summary_table(results, "all", {"passed": 3}, width=80)
     prose = lines[lines.index("5 architectures: 58 passed, 1 failed, 6 skipped; other tests: 3 passed"):]
-    assert max(map(len, prose)) <= 80 and all(line.startswith("  ") for line in prose[2:])
-    assert " ".join(line.strip() for line in prose[1:]) == (
+    assert prose[1] == "skipped 6: <architecture>: no LoRA (LlavaForConditionalGeneration)"
+    assert max(map(len, prose)) <= 80 and all(line.startswith("  ") for line in prose[3:])
+    assert " ".join(line.strip() for line in prose[2:]) == (
         "ModelInfo cache (the registry's saved inspection of each class): 119 lookups answered from it (70 in "
         "memory, 49 on disk), 5 inspected the class (5 not cached yet), 0 found a corrupt entry")
 

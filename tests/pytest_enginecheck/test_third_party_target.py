@@ -40,6 +40,22 @@ class ToyTarget(Target):
 
 def target(spec):
     return ToyTarget(spec)
+
+
+class ToyQuantTarget(ToyTarget):
+    """Offers quant, but not its fp8 method: no item of it is made, the header names it once."""
+
+    name = "toyquant"
+
+    def offered(self):
+        return Offer(("import", "quant"), (("quant[fp8]", "the toy engine has no fp8 kernel: use int8"),))
+
+    def check_function(self, check):
+        return lambda ctx: {"quantization": ctx.quantization}
+
+
+def quant_target(spec):
+    return ToyQuantTarget(spec)
 '''
 
 
@@ -55,7 +71,8 @@ def write_site(site: Path) -> Path:
     info = site / "toyengine_target-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toyengine-target\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[pytest_enginecheck.targets]\ntoy = toyengine_target:target\n")
+    (info / "entry_points.txt").write_text("[pytest_enginecheck.targets]\ntoy = toyengine_target:target\n"
+                                           "toyquant = toyengine_target:quant_target\n")
     # another engine's general plugin, installed: a run of another target that selects nothing says so
     plugin = site / "othervllmplugin-0.1.dist-info"
     plugin.mkdir()
@@ -107,3 +124,15 @@ def test_a_run_that_selects_nothing_names_the_other_engines_plugins(site: Path, 
     assert out.returncode == int(pytest.ExitCode.NO_TESTS_COLLECTED), text
     assert ("enginecheck: no check of --enginecheck-target=engine_ref was selected; the vllm target's general "
             "plugins myplugin are installed: their architectures are checked with --enginecheck-target=vllm") in text
+
+
+def test_a_method_the_target_refuses_makes_no_item_and_is_named_once(site: Path, tmp_path: Path) -> None:
+    """vLLM's fp8: a quantization method the target can never run on this install is not an item that always skips,
+    but one sentence of the header."""
+    out = pytest_run(tmp_path, site, "--enginecheck-target=toyquant", "--enginecheck-checks=quant",
+                     "--enginecheck-quant=fp8,int8", "--enginecheck-tp=1", "-rA")
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "enginecheck: not offered: quant[fp8] (the toy engine has no fp8 kernel: use int8)" in text
+    assert "PASSED enginecheck::GoodForCausalLM::quant[int8,tp=1]" in text
+    assert "fp8,tp=" not in text and "2 passed" in text
