@@ -163,8 +163,7 @@ def test_quant_on_llama_qwen2_and_mixtral(pytester: pytest.Pytester, tmp_path_fa
     assert "quant[fbgemm_fp8]" not in header, header  # not asked for: named with -v only
     for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM"):
         for tp in (1, 2):
-            fp8 = by_item[arch, f"quant[fp8,tp={tp}]"]
-            assert fp8["outcome"] == "skipped" and "not offered by the vLLM target" in fp8["message"], fp8
+            assert (arch, f"quant[fp8,tp={tp}]") not in by_item  # refused here: no item, the header says why
             for method in ("int8", "w4a16"):
                 item = by_item[arch, f"quant[{method},tp={tp}]"]
                 if arch == "MixtralForCausalLM" and method == "int8" and scheme_dtype(METHODS[method]) == "bfloat16":
