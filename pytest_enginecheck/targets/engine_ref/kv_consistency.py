@@ -6,8 +6,8 @@ For each prompt and the tokens the engine generated greedily, the model (TP=1, b
 builds it) recomputes every generated token from the prompt and the tokens before it, in one forward without a KV
 cache (what the profile run and the hooked diagnosis run). An exact oracle up to float rounding: a recomputed token
 that differs is a finding unless its logit and the engine's token's are within rounding of each other (a tie).
-That build is also the only one the checker sees happen (the engine's workers build theirs unguarded): it runs under
-a CudaGuard, so a model that touches CUDA (strict: queries it) when built, not when imported, is found.
+The load check builds that model once (``load_check.tp1_model``, under a CudaGuard) for this oracle and the
+reference oracle.
 """
 
 from __future__ import annotations
@@ -39,12 +39,6 @@ def load_tp1(spec: str, ckpt: Path, seed: int, guard: Any) -> Any:
             return None
 
 
-def cuda_in_build(guard: Any) -> dict[str, Any] | None:
-    """The first CUDA initialization (or, strict, query) the guarded build made, as a mismatch-like finding."""
-    accesses = sorted(guard.accesses, key=lambda a: a.kind != "init")
-    return None if not accesses else {"cuda_access": accesses[0]}
-
-
 def _next_logits(model: Any, tokens: list[int]) -> Any:
     """The logits after ``tokens``, from one forward over all of them without a KV cache."""
     import torch
@@ -57,34 +51,17 @@ def _next_logits(model: Any, tokens: list[int]) -> Any:
     return model.compute_logits(hidden_states[-1:])[0]
 
 
-def first_kv_mismatch(spec: str, ckpt: Path, prompts: list[list[int]], outputs: list[list[int]],
-                      seed: int = 0, strict: bool = False) -> dict[str, Any] | None:
-    """None when every generated token of ``outputs`` is what recomputing its prefix without the KV cache gives
-    (or ties with it); else the first that is not: prompt, step, the engine's and the recomputed token, and how far
-    apart their logits are. The build runs under a CudaGuard (``strict``: queries count too); a CUDA access in it
-    is returned instead, as ``{"cuda_access": CudaAccess}``."""
-    import torch
-
-    from pytest_enginecheck.guard import CudaGuard
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny forwards: one thread is fastest, and steady on a busy machine
-    guard = CudaGuard(strict=strict)
-    try:
-        with torch.random.fork_rng(devices=[]), torch.inference_mode():
-            model = load_tp1(spec, ckpt, seed, guard)
-            if guard.accesses:
-                return cuda_in_build(guard)
-            for i, (prompt, generated) in enumerate(zip(prompts, outputs, strict=True)):
-                for step, token in enumerate(generated):
-                    logits = _next_logits(model, prompt + generated[:step])
-                    recomputed = int(logits.argmax())
-                    gap = float(logits[recomputed] - logits[token])
-                    if recomputed != token and gap > TIE_RTOL * max(1.0, float(logits.abs().max())):
-                        return {"prompt": i, "step": step, "engine": token, "recomputed": recomputed,
-                                "logit_gap": gap}
-    finally:
-        torch.set_num_threads(threads)
+def first_kv_mismatch(model: Any, prompts: list[list[int]], outputs: list[list[int]]) -> dict[str, Any] | None:
+    """None when every generated token of ``outputs`` is what ``model`` (``load_tp1``'s) recomputes from its prefix
+    without the KV cache (or ties with it); else the first that is not: prompt, step, the engine's and the recomputed
+    token, and how far apart their logits are."""
+    for i, (prompt, generated) in enumerate(zip(prompts, outputs, strict=True)):
+        for step, token in enumerate(generated):
+            logits = _next_logits(model, prompt + generated[:step])
+            recomputed = int(logits.argmax())
+            gap = float(logits[recomputed] - logits[token])
+            if recomputed != token and gap > TIE_RTOL * max(1.0, float(logits.abs().max())):
+                return {"prompt": i, "step": step, "engine": token, "recomputed": recomputed, "logit_gap": gap}
     return None
 
 

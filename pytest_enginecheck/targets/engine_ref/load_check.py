@@ -14,7 +14,9 @@ At TP=1, every token generated with the KV cache must also be what recomputing i
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure
@@ -89,23 +91,42 @@ def verify_deterministic(ctx: CheckContext, ckpt: Any, reference: list[list[int]
          "module": finding.module if finding is not None else None})
 
 
-def verify_kv_cache(ctx: CheckContext, ckpt: Any, outputs: list[list[int]]) -> dict[str, Any]:
-    """Fail when a token the engine generated with the KV cache is not what recomputing its prefix without the
-    cache gives (kv_consistency), or when that TP=1 build touches CUDA (strict: queries it); return the run's
-    detail."""
+@contextlib.contextmanager
+def tp1_model(ctx: CheckContext, ckpt: Any) -> Iterator[Any]:
+    """The architecture's TP=1 model built in this process as a worker builds it (kv_consistency.load_tp1), under a
+    CudaGuard: the only build the checker sees happen (the engine's workers build theirs unguarded), so one that
+    touches CUDA (strict: queries it) fails here. One intra-op thread, the RNG and autograd left as found."""
+    import torch
+
+    from pytest_enginecheck.guard import CudaGuard
+    from pytest_enginecheck.targets.engine_ref.kv_consistency import load_tp1
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny forwards: one thread is fastest, and steady on a busy machine
+    guard = CudaGuard(strict=ctx.options.strict)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.inference_mode():
+            model = load_tp1(ctx.spec, ckpt, SEEDS[0], guard)
+            if guard.accesses:
+                access = sorted(guard.accesses, key=lambda a: a.kind != "init")[0]
+                verb = "queries CUDA" if access.kind == "query" else "touches CUDA"
+                raise CheckFailure(f"{ctx.architecture} imports cleanly but {verb} while it is built and loaded: it "
+                                   f"{access.describe()}\n{BUILD_CUDA_HINT}",
+                                   {**access.to_dict(), "kind": "cuda_build", "access": access.kind})
+            yield model
+    finally:
+        torch.set_num_threads(threads)
+
+
+def verify_kv_cache(ctx: CheckContext, ckpt: Any, outputs: list[list[int]], model: Any) -> dict[str, Any]:
+    """Fail when a token the engine generated with the KV cache is not what ``model`` (``tp1_model``) recomputes
+    from its prefix without the cache (kv_consistency); return the run's detail."""
     from pytest_enginecheck.targets.engine_ref import kv_consistency
 
     vocab_prompts = [reference_prompt(ckpt, i) for i in range(len(outputs))]
-    mismatch = kv_consistency.first_kv_mismatch(ctx.spec, ckpt, vocab_prompts, outputs, seed=SEEDS[0],
-                                                strict=ctx.options.strict)
+    mismatch = kv_consistency.first_kv_mismatch(model, vocab_prompts, outputs)
     if mismatch is None:
         return {"kv_cache_equals_recompute": True}
-    if "cuda_access" in mismatch:  # the engine's workers build it unguarded: its own TP=1 build tells
-        access = mismatch["cuda_access"]
-        verb = "queries CUDA" if access.kind == "query" else "touches CUDA"
-        raise CheckFailure(f"{ctx.architecture} imports cleanly but {verb} while it is built and loaded: it "
-                           f"{access.describe()}\n{BUILD_CUDA_HINT}",
-                           {**access.to_dict(), "kind": "cuda_build", "access": access.kind})
     raise CheckFailure(kv_consistency.describe(ctx.architecture, mismatch, vocab_prompts),
                        {"kind": "kv_cache_mismatch", "outputs": outputs, **mismatch})
 
@@ -132,8 +153,9 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     }
     if ctx.tp == 1:
         detail.update(verify_deterministic(ctx, ckpt, outputs))
-        detail.update(verify_kv_cache(ctx, ckpt, outputs))
-        detail.update(verify_reference(ctx, ckpt, outputs))
+        with tp1_model(ctx, ckpt) as model:  # one guarded build for both oracles
+            detail.update(verify_kv_cache(ctx, ckpt, outputs, model))
+            detail.update(verify_reference(ctx, ckpt, outputs, model))
         return detail
     # The TP=1 reference runs under the other seed: equal to TP=N (under the engine's seed), it is also the
     # determinism check's second run, for free. Unequal, TP=1 under the engine's seed tells whether the model
@@ -154,13 +176,10 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     return detail
 
 
-def verify_reference(ctx: CheckContext, ckpt: Any, outputs: list[list[int]]) -> dict[str, Any]:
-    """Fail when the engine's TP=1 model and the architecture's reference implementation (``reference``) give other
-    log-probabilities on each prompt and the tokens the engine generated for it; return the run's detail, whose
-    ``oracle`` says what the model was held to."""
-    import torch
-
-    from pytest_enginecheck.guard import CudaGuard
+def verify_reference(ctx: CheckContext, ckpt: Any, outputs: list[list[int]], model: Any) -> dict[str, Any]:
+    """Fail when the engine's TP=1 ``model`` (``tp1_model``) and the architecture's reference implementation
+    (``reference``) give other log-probabilities on each prompt and the tokens the engine generated for it; return
+    the run's detail, whose ``oracle`` says what the model was held to."""
     from pytest_enginecheck.reference import (
         REFERENCE_ATTRIBUTE,
         ReferenceDeclarationError,
@@ -168,7 +187,6 @@ def verify_reference(ctx: CheckContext, ckpt: Any, outputs: list[list[int]]) -> 
         load_reference,
     )
     from pytest_enginecheck.targets.engine_ref import reference
-    from pytest_enginecheck.targets.engine_ref.kv_consistency import load_tp1
 
     try:
         found = find_reference(ctx.architecture, engine_ref_registry(ctx.spec).resolve_model_cls(ctx.architecture))
@@ -178,20 +196,12 @@ def verify_reference(ctx: CheckContext, ckpt: Any, outputs: list[list[int]]) -> 
         return {"oracle": "self", "oracle_why": f"transformers has no class {ctx.architecture} and its class declares "
                                                 f"no {REFERENCE_ATTRIBUTE}"}
     sequences = [reference_prompt(ckpt, i) + out for i, out in enumerate(outputs)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng(devices=[]), torch.inference_mode():
-            model = load_tp1(ctx.spec, ckpt, SEEDS[0], CudaGuard(strict=ctx.options.strict))
-            ref = load_reference(found, ckpt)
-            disagreement = reference.first_disagreement(model, ref, sequences)
-            if disagreement is not None:
-                module, compared = reference.first_differing_module(model, ref, sequences[disagreement.sequence])
-    finally:
-        torch.set_num_threads(threads)
+    ref = load_reference(found, ckpt)
+    disagreement = reference.first_disagreement(model, ref, sequences)
     detail = {"oracle": "reference", "reference": found.name}
     if disagreement is None:
         return detail
+    module, compared = reference.first_differing_module(model, ref, sequences[disagreement.sequence])
     prompt_length = len(reference_prompt(ckpt, disagreement.sequence))
     raise CheckFailure(
         reference.describe(ctx.architecture, found, disagreement, module, compared, prompt_length),

@@ -55,14 +55,31 @@ def tp_comparison_skipped(architecture: str, tp: int, dtype: str) -> str | None:
             f"rounding alone can move log-probabilities past that bound and flip near-tie greedy tokens")
 
 
+def _not_comparable(ckpt: str, run: EngineRun, dtype: str) -> str:
+    """Why vLLM's run of ``ckpt`` cannot be held to a reference here ("" where it can)."""
+    from pytest_enginecheck.targets.vllm.checkpoints.args import checkpoint_args
+
+    if dtype != ENGINE_ARGS["dtype"]:
+        return f"vLLM runs it in {dtype}, and the oracle's bound is derived for float32"
+    if checkpoint_args(ckpt).get("language_model_only"):
+        return "vLLM runs only its text decoder (a composite checkpoint)"
+    return "" if run.logprobs else "vLLM returned no log-probabilities"
+
+
 def verify_reference(ctx: CheckContext, ckpt: str, run: EngineRun, dtype: str) -> dict[str, Any]:
     """load[tp=1]'s oracle (``reference``): vLLM's log-probabilities on its generated tokens equal those of the
     architecture's reference implementation within ORACLE_TOLERANCE, else a CheckFailure naming where; the detail
     says what the model was held to (``oracle``: ``reference`` and which, or ``none`` and why)."""
-    from pytest_enginecheck.reference import REFERENCE_ATTRIBUTE, ReferenceDeclarationError, find_reference
-    from pytest_enginecheck.targets.vllm.checkpoints.args import checkpoint_args
+    from pathlib import Path
+
+    from pytest_enginecheck.reference import (
+        REFERENCE_ATTRIBUTE,
+        ReferenceDeclarationError,
+        find_reference,
+        load_reference,
+    )
     from pytest_enginecheck.targets.vllm.checkpoints.reading import vocab_size
-    from pytest_enginecheck.targets.vllm.checks.reference import ORACLE_TOLERANCE, oracle_difference, reference_model
+    from pytest_enginecheck.targets.vllm.checks.reference import ORACLE_TOLERANCE, oracle_difference
     from pytest_enginecheck.targets.vllm.checks.steps import model_class, registry_entry
     from pytest_enginecheck.targets.vllm.engine.drive import prompts
 
@@ -70,16 +87,14 @@ def verify_reference(ctx: CheckContext, ckpt: str, run: EngineRun, dtype: str) -
         found = find_reference(ctx.architecture, model_class(ctx, registry_entry(ctx)))
     except ReferenceDeclarationError as e:
         raise CheckFailure(str(e), {"kind": "reference_declaration", "oracle": "reference"}) from None
-    why = (f"transformers has no class {ctx.architecture} and vLLM's class declares no {REFERENCE_ATTRIBUTE}"
-           if found is None else
-           f"vLLM runs it in {dtype}, and the oracle's bound is derived for float32" if dtype != ENGINE_ARGS["dtype"]
-           else "vLLM runs only its text decoder (a composite checkpoint)"
-           if checkpoint_args(ckpt).get("language_model_only") else
-           "vLLM returned no log-probabilities" if not run.logprobs else "")
-    if why or found is None:
+    if found is None:
+        return {"oracle": "none", "oracle_why": f"transformers has no class {ctx.architecture} and vLLM's class "
+                                                f"declares no {REFERENCE_ATTRIBUTE}"}
+    why = _not_comparable(ckpt, run, dtype)
+    if why:
         return {"oracle": "none", "oracle_why": why}
     try:
-        model = reference_model(found, ckpt)
+        model = load_reference(found, Path(ckpt))
         generated = [positions[len(prompt) - 1:] for prompt, positions in
                      zip(prompts(vocab_size(ckpt)), run.logprobs, strict=True)]
         difference, i, k, what = oracle_difference(model, ckpt, run.tokens, generated)

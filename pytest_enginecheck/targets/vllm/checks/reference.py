@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_enginecheck.reference import Reference, load_reference
 from pytest_enginecheck.targets.vllm.checkpoints.reading import vocab_size
 from pytest_enginecheck.targets.vllm.engine.drive import prompts
 
@@ -51,9 +50,3 @@ def oracle_difference(model: Any, ckpt: str, tokens: list[list[int]], logprobs: 
                     worst = (abs(value - float(reference[k, int(other)])), i, k, "log-probabilities")
     return worst
 
-
-def reference_model(reference: Reference, ckpt: str) -> Any:
-    """``reference`` loaded from the tiny checkpoint at ``ckpt`` (float32, eager attention)."""
-    from pathlib import Path
-
-    return load_reference(reference, Path(ckpt))
