@@ -275,7 +275,8 @@ class EctpRefTwinForCausalLM(LlamaForCausalLM):
 # layer 1's gate_proj adapter to up_proj and the reverse: the same at every TP size, so only transformers + PEFT
 # catches it. lora_shard: layer 1's gate_up_proj is a layer class of the model's own with its own LoRA wrapper, whose
 # slice_lora_b gives every rank rank 0's rows of B: wrong only at TP>1. lora_shard_twin: the same wrapper, slicing
-# as vLLM's does.
+# as vLLM's does. The swap bug and the twin declare transformers' Llama their reference (lora[tp=1] holds a model to
+# its reference, never to a base class's); the shard bug declares none, so its lora[tp=1] is held to itself.
 ENTRY_POINTS["lora_bugs"] = "ectp.lora_bugs:register"
 SOURCES["ectp/lora_bugs.py"] = '''\
 def register():
@@ -295,6 +296,7 @@ def _swapped(match):
 
 
 class EctpLoraSwapForCausalLM(LlamaForCausalLM):
+    enginecheck_reference = "LlamaForCausalLM"
     hf_to_vllm_mapper = WeightsMapper(orig_to_new_regex={re.compile(r"(layers[.]1[.]mlp[.])(gate|up)_proj"): _swapped})
 '''
 SOURCES["ectp/models/lora_shard.py"] = _LLAMA + '''\
@@ -347,6 +349,8 @@ class EctpLoraShardForCausalLM(LlamaForCausalLM):
 
 
 class EctpLoraShardTwinForCausalLM(LlamaForCausalLM):
+    enginecheck_reference = "LlamaForCausalLM"
+
     def __init__(self, *, vllm_config, prefix=""):
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=_layer(Layer1GateUpTwin))
 '''
@@ -417,4 +421,45 @@ def _scale_off(name, weight):
 class EctpQuantExpertForCausalLM(MixtralForCausalLM):
     def load_weights(self, weights):
         return super().load_weights((name, _scale_off(name, w)) for name, w in weights)
+'''
+
+# Issue 31 item 2, an out-of-tree author's declarations: a Llama subclass whose logits are scaled by a config field
+# LlamaConfig has not (read while it is built, so no checkpoint of Llama's config builds it). declared gives the field
+# in enginecheck_config and its reference (transformers' Llama with the same scale, a class of the author's) in
+# enginecheck_reference; undeclared gives neither: its engine checks skip saying what to declare.
+ENTRY_POINTS["declared"] = "ectp.declared:register"
+SOURCES["ectp/declared.py"] = '''\
+def register():
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model("EctpDeclaredForCausalLM", "ectp.models.scaled_logits:EctpDeclaredForCausalLM")
+    ModelRegistry.register_model("EctpUndeclaredForCausalLM", "ectp.models.scaled_logits:EctpUndeclaredForCausalLM")
+'''
+SOURCES["ectp/models/scaled_logits.py"] = _LLAMA + '''\
+class EctpUndeclaredForCausalLM(LlamaForCausalLM):
+    def __init__(self, *, vllm_config, prefix=""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        config = vllm_config.model_config.hf_config
+        self.logit_scale = config.ectp_logit_scale
+
+    def compute_logits(self, *args, **kwargs):
+        logits = super().compute_logits(*args, **kwargs)
+        return None if logits is None else logits * self.logit_scale
+
+
+class EctpDeclaredForCausalLM(EctpUndeclaredForCausalLM):
+    enginecheck_config = {"ectp_logit_scale": 2.0}
+    enginecheck_reference = "ectp.reference:ScaledLogitsLlama"
+'''
+SOURCES["ectp/reference.py"] = '''\
+import transformers
+
+
+class ScaledLogitsLlama(transformers.LlamaForCausalLM):
+    """What EctpDeclaredForCausalLM computes, in transformers: Llama with its logits scaled by ectp_logit_scale."""
+
+    def forward(self, *args, **kwargs):
+        output = super().forward(*args, **kwargs)
+        output.logits = output.logits * self.config.ectp_logit_scale
+        return output
 '''

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_enginecheck.checks import CheckContext, CheckFailure
+from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
 from pytest_enginecheck.settings import Settings
 
 
 def _load(workdir: str, architecture: str, tp: int, plugins: str = "clean,layer1_shard") -> Any:
-    """load[tp=N] of ``architecture`` from the test plugins: the passing detail, or (message, detail) of the failure."""
+    """load[tp=N] of ``architecture`` from the test plugins: the passing detail, (message, detail) of the failure, or
+    the reason of a skip."""
     import os
 
     from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
@@ -21,6 +22,8 @@ def _load(workdir: str, architecture: str, tp: int, plugins: str = "clean,layer1
         return CHECK_FUNCTIONS["load"](ctx)
     except CheckFailure as e:
         return e.message, e.detail
+    except CheckSkip as e:
+        return str(e)
 
 
 def test_load_tp2_names_the_layer1_down_proj_that_keeps_rank0s_columns(in_child: Any, tmp_path: Any) -> None:
@@ -58,6 +61,21 @@ def test_load_tp1_holds_a_model_to_the_reference_it_declares(in_child: Any, tmp_
     assert twin["max_reference_difference"] < 1e-5
     llama = in_child(_load, str(tmp_path), "LlamaForCausalLM", 1, plugins="reference_bug")
     assert isinstance(llama, dict) and llama["reference"] == "transformers' LlamaForCausalLM", llama
+
+
+def test_an_out_of_tree_class_declares_the_config_field_it_reads_and_its_own_reference(in_child: Any,
+                                                                                        tmp_path: Any) -> None:
+    """A Llama subclass reading a config field Llama's config has not: declared (enginecheck_config, and its reference
+    in enginecheck_reference), load[tp=1] runs on a checkpoint with the field and holds it to the author's class;
+    undeclared, no checkpoint can be made and the skip says what to declare (no silent green: fail-on-skip fails it)."""
+    declared = in_child(_load, str(tmp_path), "EctpDeclaredForCausalLM", 1, plugins="declared")
+    assert isinstance(declared, dict), declared
+    assert declared["oracle"] == "reference", declared
+    assert declared["reference"] == "the declared ectp.reference:ScaledLogitsLlama", declared
+    assert declared["max_reference_difference"] < 1e-5, declared
+    undeclared = in_child(_load, str(tmp_path), "EctpUndeclaredForCausalLM", 1, plugins="declared")
+    assert isinstance(undeclared, str), undeclared
+    assert "ectp_logit_scale" in undeclared and "enginecheck_config" in undeclared, undeclared
 
 
 def _captures(tp: int, modules: dict[str, tuple[dict[str, Any], Any, list[Any]]]) -> tuple[Any, list[Any]]:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pytest_enginecheck.targets.vllm.checkpoints.declared import CONFIG_ATTRIBUTE, declared_config
 from pytest_enginecheck.targets.vllm.checkpoints.hub_layout import (
     add_hub_norms,
     drop_zero_experts,
@@ -74,11 +75,13 @@ def foreign_base(architecture: str, model_cls: type | None, hf: Any) -> str:
         reads = [config_reads(inspect.getsource(m)).required for m in dict.fromkeys(above) if m is not None]
     except Exception:  # noqa: BLE001 - no default config or no source: judged where the checkpoint is built
         return ""
-    missing = sorted(f for f in frozenset().union(*reads) if not hasattr(defaults, f))
+    declared = declared_config(architecture, model_cls)
+    missing = sorted(f for f in frozenset().union(*reads) if not hasattr(defaults, f) and f not in declared)
     if not missing:
         return ""
     return (f"vLLM's {architecture} reads the config field{'s' * (len(missing) > 1)} {', '.join(missing)}, which "
-            f"{type(defaults).__name__} of its base class {hf.__name__} has not: its checkpoint is not that class's")
+            f"{type(defaults).__name__} of its base class {hf.__name__} has not: its checkpoint is not that class's "
+            f"(an out-of-tree class gives them in {CONFIG_ATTRIBUTE}, a dict of config.json fields)")
 
 
 def tiny_config(architecture: str, model_cls: type | None = None) -> Any:
@@ -102,6 +105,8 @@ def tiny_config(architecture: str, model_cls: type | None = None) -> Any:
         sub_config = getattr(config, sub, None)
         if sub_config is not None and not hasattr(sub_config, field):
             setattr(sub_config, field, value(config))
+    for field, value in declared_config(architecture, model_cls).items():  # the author's, over the shrink rules
+        setattr(config, field, value)
     config.architectures = [architecture]
     config.dtype = "float32"
     return config
@@ -125,6 +130,7 @@ def make_hf_checkpoint(architecture: str, path: Path, model_cls: type | None = N
         model = hf_class(architecture, model_cls)(config).to(torch.float32)
     except Exception as e:  # noqa: BLE001 - transformers' own limits, not the vLLM model's fault
         raise NoTinyCheckpoint(f"transformers cannot build a tiny {architecture}: {type(e).__name__}: {e}") from None
+    vary_constant_parameters(model, getattr(config, "initializer_range", None))
     try:
         _save_without_progress_bar(model, path)
         composite.undo_doubled_prefixes(path, model)
@@ -140,6 +146,29 @@ def make_hf_checkpoint(architecture: str, path: Path, model_cls: type | None = N
     add_hub_norms(path, saved)
     tokenizer.write_tokenizer_if_needed(architecture, path, model_cls)  # only where vLLM reads one (tokenizer.py)
     return path
+
+
+def vary_constant_parameters(model: Any, initializer_range: float | None = None) -> list[str]:
+    """Give every parameter that transformers' initialisation left constant (biases at 0, norm weights at 1) random
+    values under SEED around that constant: N(0, initializer_range) around 0, 10 % of it around any other constant.
+    A bias never loaded, zeroed on one rank, or two norms' weights swapped then change the model's output. Scalars
+    keep their value (a learned scale initialised to its meaning). Returns the names of the parameters varied."""
+    import torch
+
+    std = initializer_range if isinstance(initializer_range, float) and initializer_range > 0 else 0.02
+    generator = torch.Generator().manual_seed(SEED)
+    varied = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.numel() < 2 or not param.is_floating_point():
+                continue
+            center = param.reshape(-1)[0].item()
+            if not bool((param == center).all()):
+                continue
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            param.copy_(center + noise * (0.1 * abs(center) if center else std))
+            varied.append(name)
+    return varied
 
 
 def _too_large(hf_cls: type, config: Any) -> str:

@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pytest_enginecheck.targets.vllm.checkpoints.declared import declared_config
 from pytest_enginecheck.targets.vllm.checkpoints.hub_layout import hub_fields
 from pytest_enginecheck.targets.vllm.checkpoints.shrink import (
     VLLM_CONFIG_SIZES,
@@ -56,6 +57,8 @@ def tiny_vllm_config(architecture: str, model_cls: type) -> Any:
         setattr(config, field, value)
     if not hasattr(config, "tie_word_embeddings"):  # transformers 5's base config has none; vLLM's models read it
         config.tie_word_embeddings = False
+    for field, value in declared_config(architecture, model_cls).items():  # the author's, over the shrink rules
+        setattr(config, field, value)
     config.architectures = [architecture]
     config.dtype = "float32"
     return config

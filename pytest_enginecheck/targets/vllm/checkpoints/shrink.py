@@ -15,10 +15,12 @@ from typing import Any
 SEED = 0
 # A tiny checkpoint's ceiling (float32: 256 MiB); the tiny Llama has ~0.1M. More means a size field kept its full value.
 MAX_TINY_PARAMETERS = 64_000_000
-# Applied only where the config has the field; heads * head_dim == hidden_size keeps every family happy.
+# Applied only where the config has the field; heads * head_dim == hidden_size keeps every family happy. One KV head
+# for two query heads, as real configs group them (a GQA bug, "kv_heads = heads", shows), and fewer KV heads than
+# TP=2's ranks: vLLM then replicates the KV head on every rank, the home of shard-selection bugs.
 TINY_SIZES: dict[str, Any] = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-    "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 256, "max_position_embeddings": 256,
+    "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 256, "max_position_embeddings": 256,
     "num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
     "shared_expert_intermediate_size": 64, "sliding_window": None, "max_window_layers": 2,
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None,

@@ -12,6 +12,7 @@ from typing import Any, TypeVar, cast
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
 from pytest_enginecheck.checks.failures import cuda_failure, import_failure, missing_class
+from pytest_enginecheck.targets.vllm.checkpoints.declared import ConfigDeclarationError
 from pytest_enginecheck.targets.vllm.checkpoints.shrink import NoTinyCheckpoint
 from pytest_enginecheck.targets.vllm.checkpoints.tiny import is_tiny_checkpoint, tiny_checkpoint
 from pytest_enginecheck.targets.vllm.describe import registry
@@ -79,6 +80,8 @@ def engine_checkpoint(ctx: CheckContext) -> str:
         return str(tiny_checkpoint(ctx.architecture, ctx.workdir, model_cls))
     except NoTinyCheckpoint as e:
         raise CheckSkip(f"no tiny checkpoint can be made: {e}") from None
+    except ConfigDeclarationError as e:  # the author's declaration, not a limit of the checker
+        raise CheckFailure(str(e), {"kind": "config_declaration"}) from None
 
 
 def apart(ctx: CheckContext, fn: Callable[[CheckContext], T]) -> T:
