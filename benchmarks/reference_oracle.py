@@ -33,7 +33,7 @@ def main() -> None:
     from pytest_enginecheck.targets.engine_ref import reference
     from pytest_enginecheck.targets.engine_ref.kv_consistency import load_tp1
     from pytest_enginecheck.targets.engine_ref.registry import engine_ref_registry
-    from pytest_enginecheck.targets.engine_ref.tiny_engine import MAX_TOKENS, prompts
+    from pytest_enginecheck.targets.engine_ref.tiny_engine import BLOCK_SIZE, MAX_TOKENS, checkpoint_prompts
 
     print(f"{'architecture':40} {'largest difference':>18} {'x tolerance':>11} {'load s':>7}  reference")
     with tempfile.TemporaryDirectory() as tmp:
@@ -45,15 +45,15 @@ def main() -> None:
                 if found is None:
                     print(f"{arch:40} {'-':>18} {'-':>11} {'-':>7}  none (self-consistency only)")
                     continue
-                with LLM(str(ckpt), device_memory="512MiB", max_model_len=128) as llm:
+                with LLM(str(ckpt), device_memory="512MiB", max_model_len=128, block_size=BLOCK_SIZE) as llm:
                     vocab = llm.engine.config.model_config.hf_text_config.vocab_size
-                    outputs = llm.generate(prompts(vocab), max_tokens=MAX_TOKENS, ignore_eos=True)
+                    outputs = llm.generate(checkpoint_prompts(ckpt), max_tokens=MAX_TOKENS, ignore_eos=True)
                 start = time.perf_counter()
                 ref = lookup.load_reference(found, ckpt)
                 seconds = time.perf_counter() - start
                 with torch.inference_mode():
                     model = load_tp1(spec, ckpt, 0, CudaGuard())
-                    sequences = [p + o for p, o in zip(prompts(vocab), outputs, strict=True)]
+                    sequences = [p + o for p, o in zip(checkpoint_prompts(ckpt), outputs, strict=True)]
                     largest = max(float((reference.engine_logprobs(model, s)[:, :vocab]
                                          - reference.reference_logprobs(ref, s)[:, :vocab]).abs().max())
                                   for s in sequences)

@@ -66,6 +66,22 @@ def collective_timeout_s() -> float | None:
     return positive_seconds("ENGINE_REF_COLLECTIVE_TIMEOUT_S")
 
 
+CUDA_GUARD_VARIABLE = "ENGINE_REF_CUDA_GUARD"
+CUDA_GUARD_MODES = ("strict",)
+
+
+def cuda_guard() -> str | None:
+    """ENGINE_REF_CUDA_GUARD: ``strict`` builds and runs every rank's model under engine_ref's CUDA guard
+    (engine_ref.worker.cuda_guard); unset or empty: no guard."""
+    value = os.environ.get(CUDA_GUARD_VARIABLE, "").strip()
+    if not value:
+        return None
+    if value not in CUDA_GUARD_MODES:
+        raise ConfigError(f"{CUDA_GUARD_VARIABLE}={value!r} is unknown; set it to 'strict' (a rank whose model "
+                          f"touches or queries CUDA while it is built or run fails), or unset it.")
+    return value
+
+
 def worker_multiproc_method() -> str:
     """ENGINE_REF_WORKER_MULTIPROC_METHOD: forkserver (default), spawn or fork."""
     value = os.environ.get("ENGINE_REF_WORKER_MULTIPROC_METHOD", "").strip() or "forkserver"

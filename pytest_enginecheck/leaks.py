@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shlex
 import tempfile
 import threading
 import time
@@ -33,6 +34,22 @@ def descendants(pid: int) -> set[int]:
         frontier = {child for child, parent in parents.items() if parent in frontier} - found
         found |= frontier
     return found
+
+
+def command_line(pid: int, limit: int = 160) -> str:
+    """``pid``'s command line as a shell would read it (cut at ``limit`` characters), or why it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [os.fsdecode(arg) for arg in f.read().split(b"\0")[:-1]]
+    except OSError:
+        return "(gone)"
+    line = shlex.join(argv) if argv else "(no command line: a kernel thread or a zombie)"
+    return line if len(line) <= limit else f"{line[:limit - 3]}..."
+
+
+def describe_processes(pids: list[int]) -> str:
+    """``[12, 34] (12: python -c 'import time; time.sleep(60)'; 34: sleep 60)``."""
+    return f"{pids} ({'; '.join(f'{pid}: {command_line(pid)}' for pid in pids)})"
 
 
 def _fds() -> dict[int, str]:
@@ -192,6 +209,8 @@ class ResourceSnapshot:
     fds: dict[int, str]
     listening: frozenset[str]  # socket inodes of this process in LISTEN state
     temp_entries: frozenset[str]
+    # every /dev/shm entry; whether a new one is held by another program is looked up only when comparing, and only
+    # when there is one (a look reads every process's maps: ~0.5 s on a busy machine)
     shm_entries: frozenset[str]
     # of the snapshot taken before an engine runs: who else held the segments that appear meanwhile
     shm_watch: ForeignShmWatch | None = field(default=None, compare=False)
@@ -204,7 +223,7 @@ class ResourceSnapshot:
         shm_watch = ForeignShmWatch() if watch else None
         own_sockets = {target[8:-1] for target in fds.values() if target.startswith("socket:[")}
         return cls(frozenset(descendants(os.getpid())), fds, frozenset(own_sockets & _listening_inodes()),
-                   frozenset(temp_entries()), frozenset(unowned_shm_entries()), shm_watch)
+                   frozenset(temp_entries()), frozenset(_listdir("/dev/shm")), shm_watch)
 
     def leaked_since(self, before: ResourceSnapshot, ignore_regular_files: bool = False) -> list[str]:
         """Plain descriptions of what exists now but did not before.
@@ -214,7 +233,7 @@ class ResourceSnapshot:
         """
         leaks = []
         if self.children - before.children:
-            leaks.append(f"child processes {sorted(self.children - before.children)}")
+            leaks.append(f"child processes {describe_processes(sorted(self.children - before.children))}")
         new_fds = {fd: target for fd, target in self.fds.items() if before.fds.get(fd) != target
                    and not (ignore_regular_files and target.startswith("/"))}
         if new_fds:
@@ -224,6 +243,8 @@ class ResourceSnapshot:
         if self.temp_entries - before.temp_entries:
             leaks.append(f"temp entries {sorted(self.temp_entries - before.temp_entries)} in {tempfile.gettempdir()}")
         new_shm = set(self.shm_entries - before.shm_entries)
+        if new_shm:
+            new_shm &= unowned_shm_entries()
         if new_shm and before.shm_watch is not None:
             foreign, inodes = before.shm_watch.foreign(), _inodes("/dev/shm")
             new_shm = {name for name in new_shm if inodes.get(name) not in foreign}

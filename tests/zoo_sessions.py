@@ -56,10 +56,29 @@ LORA_SHARD = ("--enginecheck-target=zoo.lora_models:REGISTRY", "--enginecheck-ch
 REFERENCE = ("--enginecheck-target=zoo.reference_registry:REGISTRY", "--enginecheck-checks=import,inspect,load",
              "--enginecheck-tp=1")
 
+# --enginecheck-strict in every rank over zoo.strict_registry, its planted CUDA accesses and clean twin; and without
+# it, where the queries pass (test_strict_ranks).
+STRICT_RANKS = ("--enginecheck-target=zoo.strict_registry:REGISTRY", "--enginecheck-strict", "--enginecheck-tp=1,2",
+                "--enginecheck-checks=load,startup")
+LENIENT_RANKS = ("--enginecheck-target=zoo.strict_registry:REGISTRY", "--enginecheck-tp=1,2",
+                 "--enginecheck-checks=load,startup", "-k", "not Clean")
+
+# budget[tp=N]'s workload over zoo.budget_registry: its planted bugs and clean twins (test_budget_workload).
+BUDGET_WORKLOAD = ("--enginecheck-target=zoo.budget_registry:REGISTRY", "--enginecheck-checks=budget",
+                   "--enginecheck-tp=1,2")
+
+# load over zoo.proofs_registry, and budget of its models that ask torch.distributed for their rank: diagnoses that
+# say only what they proved, their planted bugs and clean twins (test_diagnosis_proofs).
+DIAGNOSIS_PROOFS = ("--enginecheck-target=zoo.proofs_registry:REGISTRY", "--enginecheck-checks=load,budget",
+                    "--enginecheck-tp=1,2", "-k", "load or Rank")
+
 # The sessions a module can name in its ZOO_SESSIONS: name -> arguments.
 SESSIONS: dict[str, tuple[str, ...]] = {"root-causes": ROOT_CAUSES, "planted": PLANTED, "quant": QUANT,
                                         "tp-diagnosis": TP_DIAGNOSIS, "lora-bundled": LORA_BUNDLED,
-                                        "lora-shard": LORA_SHARD, "reference": REFERENCE}
+                                        "lora-shard": LORA_SHARD, "reference": REFERENCE,
+                                        "strict-ranks": STRICT_RANKS, "lenient-ranks": LENIENT_RANKS,
+                                        "budget-workload": BUDGET_WORKLOAD,
+                                        "diagnosis-proofs": DIAGNOSIS_PROOFS}
 TIMEOUT = 900  # seconds a session may run
 
 # Starts argv[2:] in a session of its own, output to the log file argv[1], prints its pid and exits: the runner is

@@ -11,6 +11,7 @@ from typing import Any
 
 from engine_ref.kv_cache.sizing import KVCacheSizing
 from engine_ref.memory.accounting import MemoryUsage
+from engine_ref.memory.workload import WorkloadMemory
 from engine_ref.utils import format_bytes
 
 
@@ -45,7 +46,8 @@ class PhaseTimer:
 
 @dataclass
 class WorkerReport:
-    """One rank: its process, how long its phases took, what it read and what memory it uses."""
+    """One rank: its process, how long its phases took, what it read and what memory it uses; ``workload``: the
+    memory of its steps since ``Worker.track_step_memory`` (None before)."""
 
     rank: int
     pid: int
@@ -54,9 +56,11 @@ class WorkerReport:
     bytes_read: int
     memory: MemoryUsage
     spans: list[Span] = field(default_factory=list)  # its steps, and each file load_model read
+    workload: WorkloadMemory | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "memory": self.memory.to_dict()}
+        return {**asdict(self), "memory": self.memory.to_dict(),
+                "workload": None if self.workload is None else self.workload.to_dict()}
 
 
 @dataclass

@@ -65,6 +65,11 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
 
+    @property
+    def phase(self) -> str:
+        """"decode" when every sequence adds one token to those it computed before, else "prefill"."""
+        return "decode" if all(s.start_position > 0 and len(s.token_ids) == 1 for s in self.seqs) else "prefill"
+
 
 class Scheduler:
     """First come, first served, within the token, sequence, KV block and adapter (``max_loras``) budgets."""

@@ -3,17 +3,20 @@
 A rank's host (a WorkerProc, a Ray actor) wraps one Worker: ``start_worker`` brings it through
 init_worker -> init_device -> load_model, ``execute_method`` serves a call; each answers in the
 shape of ``engine_ref.isolation.answer``: ``(OK, value)`` or ``(ERROR, Failure)``. The driver turns
-an ERROR into WorkerStartupError or WorkerError naming the rank, with the rank's own traceback.
+an ERROR into WorkerStartupError or WorkerError naming the rank, with the rank's own traceback (raised from the
+rank's CudaGuardError itself when ENGINE_REF_CUDA_GUARD failed it: engine_ref.worker.cuda_guard).
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from engine_ref.config import EngineConfig
 from engine_ref.errors import EngineDeadError, EngineRefError, WorkerStartupError
 from engine_ref.isolation.answer import ERROR, OK, Answer, Failure
+from engine_ref.worker.cuda_guard import CudaGuardError
 
 if TYPE_CHECKING:
     from engine_ref.worker.worker import Worker
@@ -62,7 +65,7 @@ class WorkerWrapperBase:
             self.phase = "load_model"
             worker.load_model()
         except BaseException as e:  # noqa: BLE001 - reported to the driver verbatim
-            return ERROR, Failure.capture(e, phase=self.phase)
+            return ERROR, Failure.capture(e, phase=self.phase, keep_exception=isinstance(e, CudaGuardError))
         return OK, None
 
     def execute_method(self, method: RpcMethod, args: tuple, kwargs: dict[str, Any]) -> Answer:
@@ -72,7 +75,7 @@ class WorkerWrapperBase:
                 return OK, getattr(self.worker, method)(*args, **kwargs)
             return OK, method(self.worker, *args, **kwargs)
         except Exception as e:  # noqa: BLE001 - the driver raises it, naming this rank
-            return ERROR, Failure.capture(e)
+            return ERROR, Failure.capture(e, keep_exception=isinstance(e, CudaGuardError))
 
     def shutdown(self) -> None:
         """Leave the process group and drop the model."""
@@ -87,7 +90,7 @@ def startup_error(rank: int, pid: int | None, what: str, failure: Failure | None
     if failure is None:
         return WorkerStartupError(message)
     error = WorkerStartupError(f"{message}\n\nTraceback of rank {rank}:\n{failure.traceback}")
-    error.__cause__ = failure.remote_traceback()
+    error.__cause__ = rank_cause(failure)
     return error
 
 
@@ -133,7 +136,18 @@ def worker_error(name: str, rank: int, failure: Failure) -> WorkerError:
     """The error for a rank that answered a call with ERROR."""
     error = WorkerError(f"{name} failed on rank {rank}: {failure.last_line}\n\n"
                         f"Traceback of rank {rank}:\n{failure.traceback}", rank, failure.traceback, failure.type_name)
-    error.__cause__ = failure.remote_traceback()
+    error.__cause__ = rank_cause(failure)
+    return error
+
+
+def rank_cause(failure: Failure) -> BaseException:
+    """What the driver's error is raised from: the rank's CudaGuardError itself when it sent one (its traceback as its
+    cause), so a caller finds the rank, file and line in the chain; else the rank's traceback."""
+    remote = failure.remote_traceback()
+    if failure.exception is None:
+        return remote
+    error: BaseException = pickle.loads(failure.exception)
+    error.__cause__ = remote
     return error
 
 

@@ -11,7 +11,8 @@ Each rank is the engine's own Worker, driven through the calls the executor make
 then EngineCore's sizing (``kv_cache.sizing.size_kv_cache``) over every rank's memory: the blocks
 the engine would allocate, and whether one request of max_model_len can be served. Only
 ``init_device`` is skipped (it would join a process group); FakeRank gives the worker its device
-capacity, as init_device does on CPU.
+capacity, as init_device does on CPU, and at TP>1 a fake default process group of its rank and world
+size (``fake_group``), so a model that asks torch.distributed for its rank is answered as in the engine.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from engine_ref.kv_cache.sizing import (
 from engine_ref.kv_cache.spec import FullAttentionSpec, bytes_per_block
 from engine_ref.memory.accounting import MemoryUsage, module_bytes
 from engine_ref.memory.fake import fake_tensors
+from engine_ref.memory.fake_group import fake_process_group
 from engine_ref.memory.result import MemoryEstimate
 from engine_ref.model_executor.layers.quantization.base_config import process_weights_after_loading
 from engine_ref.model_executor.model_loader.loaders import initialize_model
@@ -95,7 +97,8 @@ class FakeRank:
 
     @contextmanager
     def _tp_group(self) -> Iterator[None]:
-        with tensor_parallel_state(self.rank, self.worker.world_size):
+        with tensor_parallel_state(self.rank, self.worker.world_size), \
+                fake_process_group(self.rank, self.worker.world_size):
             yield
 
     def profile(self) -> None:

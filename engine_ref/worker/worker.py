@@ -10,6 +10,7 @@ Memory is accounted exactly per category; on CPU the device capacity is the conf
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -24,9 +25,11 @@ from engine_ref.kv_cache.spec import FullAttentionSpec, bytes_per_block
 from engine_ref.lora.models import LoRAModelManager
 from engine_ref.lora.request import LoRARequest
 from engine_ref.memory.accounting import MemoryUsage, module_bytes, storage_bytes
+from engine_ref.memory.workload import StepMemoryTracker
 from engine_ref.model_executor.layers.attention import Attention
 from engine_ref.model_executor.model_loader.loaders import get_model_loader
 from engine_ref.plugins import load_general_plugins
+from engine_ref.worker.cuda_guard import worker_cuda_guard
 from engine_ref.worker.model_runner import ModelRunner
 
 
@@ -45,6 +48,12 @@ class Worker:
         self.model: nn.Module | None = None
         self.lora_manager: LoRAModelManager | None = None
         self.model_runner: ModelRunner | None = None
+        self.step_memory: StepMemoryTracker | None = None  # on after track_step_memory()
+        self.cuda_guard = worker_cuda_guard(config, rank)  # None unless ENGINE_REF_CUDA_GUARD asks for one
+
+    def _guarded(self, phase: str) -> AbstractContextManager[None]:
+        """The CUDA guard around a build or a forward (engine_ref.worker.cuda_guard), when there is one."""
+        return self.cuda_guard.phase(phase) if self.cuda_guard is not None else nullcontext()
 
     @property
     def world_size(self) -> int:
@@ -79,7 +88,7 @@ class Worker:
     def load_model(self) -> None:
         """Build this rank's shard of the model and load its weights; with LoRA, wrap its target layers and
         preallocate the adapter slots (counted as ``lora``, apart from the model's buffers)."""
-        with self.timer.phase("load_model"):
+        with self.timer.phase("load_model"), self._guarded("load_model"):
             loader = get_model_loader(self.config.load_config)
             self.model = loader.load_model(self.config, self.device)
             self.bytes_read = loader.stats.bytes_read
@@ -109,7 +118,7 @@ class Worker:
 
     def determine_available_memory(self) -> int:
         """Run the profile; return the bytes this rank has left for the KV cache (kv_cache/sizing.py)."""
-        with self.timer.phase("profile_run"):
+        with self.timer.phase("profile_run"), self._guarded("profile_run"):
             self.memory.activation_peak = self._loaded().profile_run()
         cache = self.config.cache_config
         sizing = size_kv_cache([self.memory], gpu_memory_utilization=cache.gpu_memory_utilization,
@@ -139,13 +148,25 @@ class Worker:
             self.memory.kv_cache = storage_bytes(caches)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> list[int]:
-        return self._loaded().execute_model(scheduler_output)
+        runner = self._loaded()
+        with self._guarded("execute_model"):
+            if self.step_memory is not None:
+                return self.step_memory.step(scheduler_output.phase, lambda: runner.execute_model(scheduler_output))
+            return runner.execute_model(scheduler_output)
+
+    def track_step_memory(self) -> None:
+        """From now on, measure the memory of every step (per phase: prefill, decode) and what the steps keep
+        allocated between steps: ``report().workload``. Call it after ``initialize_cache``."""
+        model = self._loaded().model
+        caches = [attn.kv_cache for attn in self.attention_layers().values() if attn.kv_cache is not None]
+        self.step_memory = StepMemoryTracker(self.device, [*model.parameters(), *model.buffers(), *caches])
 
     def report(self) -> WorkerReport:
         return WorkerReport(rank=self.rank, pid=os.getpid(), device=str(self.device),
                             phases=dict(self.timer.seconds), bytes_read=self.bytes_read, memory=self.memory,
-                            spans=[*self.timer.spans, *self.file_reads])
+                            spans=[*self.timer.spans, *self.file_reads],
+                            workload=None if self.step_memory is None else self.step_memory.report())
 
     def shutdown(self) -> None:
-        self.model = self.model_runner = self.lora_manager = None
+        self.model = self.model_runner = self.lora_manager = self.step_memory = None
         destroy_distributed_environment()

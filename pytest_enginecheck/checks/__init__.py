@@ -54,40 +54,56 @@ CHECK_SPECS = (
               proves=("the engine's own registry can inspect the class in a subprocess")),
     CheckSpec("load", "Loading {architecture} at tensor_parallel_size={tp}",
               tp=True, roots="build", options=("tp", "strict"),
-              proves=("it builds and loads on N real CPU ranks (gloo); at TP=1 its log-probabilities on each prompt "
+              proves=("it builds and loads on N real CPU ranks (gloo), every checkpoint tensor consumed (engine_ref's "
+                      "loader); the prompts run as one batch of different lengths that cross KV block boundaries, "
+                      "none a multiple of the block size, the longest ending at max_model_len; at TP=1 its "
+                      "log-probabilities on each prompt "
                       "and its own generated tokens equal a reference implementation's on the same tiny checkpoint "
                       "(transformers' class of the architecture's own name, or the one its class declares in "
                       "`enginecheck_reference`; float32, within 1e-4), else the first position and the first module "
-                      "where they part are named, and the summary says which architectures had no reference; two "
-                      "TP=1 runs under different seeds agree "
-                      "(tokens, and every module's output in a hooked forward), else it is reported as "
-                      "nondeterministic, naming the first module whose output changes, and TP sizes are not "
-                      "compared; TP=N generates what TP=1 does, with the same final hidden states in a hooked "
-                      "prefill (within 1e-4 + 1e-3·|x|; on vLLM the same log-probabilities within 1e-4), else the "
-                      "diagnosis names the first module whose output differs and whether its weight shards or its "
+                      "where they part are named, and the summary says which architectures had no reference; on "
+                      "engine_ref every parameter equals what the checkpoint holds for it and lm_head is tied as "
+                      "config.json says, and decoding with the KV cache gives the tokens and log-probabilities "
+                      "(within 1e-4) of recomputing without it; two TP=1 runs under different seeds agree "
+                      "(tokens, and every module's output, the model's own and the logits in a hooked forward), else "
+                      "it is reported as nondeterministic, naming the first module whose output changes, and TP sizes "
+                      "are not compared; TP=N generates what TP=1 does, with the same model output and logits in a "
+                      "hooked prefill (within 1e-4 + 1e-3·|x|; on vLLM the same log-probabilities within 1e-4), else a "
+                      "second TP=N run tells a TP-only nondeterminism from a TP bug, and the diagnosis names the first "
+                      "module whose output differs and whether its weight shards or its "
                       "collective are wrong (a module it cannot compare is named as such, a diagnosis that fails "
                       'says so, and a sentence that is only a hint starts with "Hint")')),
     CheckSpec("budget", "Measuring the memory of {architecture} at tensor_parallel_size={tp}",
               tp=True, roots="build",
-              options=("tp", "budget_memory", "budget_utilization", "budget_max_model_len", "device_memory"),
+              options=("tp", "strict", "budget_memory", "budget_utilization", "budget_max_model_len", "device_memory"),
               proves=("per-rank weights + buffers + activation peak + KV cache fit the budget and equal the "
-                      "meta-device estimate; with `--enginecheck-device-memory`, the full-size model (its "
-                      "`reference_config`) fits too")),
+                      "meta-device estimate; on engine_ref also while serving requests (a batch of prompts of "
+                      "different lengths, prefill then decode steps, then the same requests again): each rank's peak "
+                      "in prefill and in decode steps fits the budget (a failure names the phase), and a rank holds "
+                      "no more after the second round than after the first (a per-request leak, named with its size "
+                      "and rank); with `--enginecheck-device-memory`, the full-size model (its `reference_config`) "
+                      "fits too")),
     CheckSpec("startup", "Starting and stopping {architecture}",
-              roots="build", options=("tp",),
-              proves=("full engine startup and shutdown: every worker exits by itself when asked (none needs SIGTERM "
-                      "or SIGKILL, none leaves a non-daemon thread running; a failure names each thread with its "
-                      "target and stack), and nothing is left behind: no process, fd, port, temp entry or shared "
-                      "memory")),
+              roots="build", options=("tp", "strict"),
+              proves=("full engine startup, requests (prefill, then decode steps) and shutdown: every worker exits by "
+                      "itself when asked (none needs SIGTERM or SIGKILL, none leaves a non-daemon thread running; a "
+                      "failure names each thread with its target and stack), and nothing is left behind: no process "
+                      "(named with its command line), fd, port, temp entry, shared memory, or entry its processes made "
+                      "in /tmp or the working directory (fanotify names who made each, so another process's is never "
+                      "blamed; where it cannot, the detail says what was not watched and why). load, budget, lora and "
+                      "quant hold every engine they start to the same")),
     CheckSpec("lora", "Running {architecture} with a LoRA adapter at tensor_parallel_size={tp}",
-              tp=True, roots="build", options=("tp",),
+              tp=True, roots="build", options=("tp", "strict"),
               proves=("with a tiny PEFT adapter at TP=N, greedy tokens equal TP=1's with the adapter and differ from "
-                      "the base model's; on vLLM (its own `enable_lora`/`LoRARequest` path) the generated tokens' "
-                      "log-probabilities also equal TP=1's within 1e-4, and at TP=1 transformers' + PEFT's, "
-                      "teacher-forced on vLLM's tokens, with the adapter and without it, within 1e-4 (which catches a "
-                      "bug that is the same at every TP size) (architectures declaring `SupportsLoRA`)")),
+                      "the base model's; at TP=1 the log-probabilities with the adapter and without it, teacher-forced "
+                      "on the engine's tokens, equal those of the architecture's reference implementation (load's: "
+                      "never a base class's) with the same adapter loaded by PEFT, within 1e-4, which catches a bug "
+                      "that is the same at every TP size (on engine_ref the first module where they part is named, "
+                      "and whether its LoRA layer ran; without a reference the result says it was held to itself "
+                      "only); on vLLM (its own `enable_lora`/`LoRARequest` path) the generated tokens' "
+                      "log-probabilities also equal TP=1's within 1e-4 (architectures declaring `SupportsLoRA`)")),
     CheckSpec("quant", "Running {architecture} quantized with {quantization} at tensor_parallel_size={tp}",
-              tp=True, per_method=True, roots="build", options=("tp", "quant"),
+              tp=True, per_method=True, roots="build", options=("tp", "strict", "quant"),
               proves=("the exact oracle of a weight-only method (all of engine_ref's are: fp8, fbgemm_fp8 and int8 "
                       "dequantize the weight and run the unquantized matmul; no activation is quantized): the model "
                       "converted at startup at TP=1, and its pre-quantized tiny checkpoint at TP=N, produce the "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import shutil
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from engine_ref.config import EngineConfig
 from engine_ref.distributed.parallel_state import tensor_parallel_state
 from engine_ref.engine.arg_utils import EngineArgs
 from engine_ref.errors import WeightLoadError
+from engine_ref.model_executor.model_loader.checkpoint import make_checkpoint
 from engine_ref.model_executor.model_loader.loaders import (
     DefaultModelLoader,
     DummyModelLoader,
@@ -30,6 +31,7 @@ from engine_ref.model_executor.model_loader.loaders import (
     initialize_model,
 )
 from engine_ref.model_executor.model_loader.weight_utils import CheckpointTensor, LoadStats
+from engine_ref.model_executor.models.llama import LlamaForCausalLM
 from tests.helpers import LLAMA, SMALL_ENGINE
 
 PROMPTS = [[1, 5, 9, 13, 17], [7, 3]]
@@ -295,3 +297,93 @@ def test_dummy_loader_is_seeded(llama: Path) -> None:
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)
     assert loader.stats.bytes_read == 0
+
+
+# -- every checkpoint tensor consumed -------------------------------------------------------------------------------
+
+Weights = Iterable[tuple[str, CheckpointTensor]]
+INV_FREQ = "model.layers.1.self_attn.rotary_emb.inv_freq"  # transformers < 4.31 wrote it; Llama's mapper skips it
+
+
+class BorrowsDownProjLlama(LlamaForCausalLM):
+    """Planted: load_weights hands layer 0's down_proj to layer 1 too and drops layer 1's own; no parameter is left
+    unloaded, so only the unconsumed tensor tells."""
+
+    def load_weights(self, weights: Weights) -> set[str]:
+        def borrowed() -> Iterator[tuple[str, CheckpointTensor]]:
+            for name, tensor in weights:
+                if name != "model.layers.1.mlp.down_proj.weight":
+                    yield name, tensor
+                if name == "model.layers.0.mlp.down_proj.weight":
+                    yield "model.layers.1.mlp.down_proj.weight", tensor
+
+        return super().load_weights(borrowed())
+
+
+class DropsInvFreqLlama(LlamaForCausalLM):
+    """Clean: drops the tensor its weights mapper declares unused before load_mapped_weights ever sees it."""
+
+    def load_weights(self, weights: Weights) -> set[str]:
+        return super().load_weights((name, tensor) for name, tensor in weights if name != INV_FREQ)
+
+
+def load_with(model_cls: type[LlamaForCausalLM], checkpoint: Path, **kwargs: Any) -> LlamaForCausalLM:
+    """``model_cls`` built and loaded by the engine's DefaultModelLoader from ``checkpoint``."""
+    config = _config(checkpoint, **kwargs)
+    with torch.device("cpu"), torch.no_grad():
+        model = model_cls(config.model_config.hf_config)
+        DefaultModelLoader(config.load_config).load_weights(model, config)
+    return model
+
+
+@pytest.mark.parametrize(("fmt", "num_shards", "file"), [
+    ("safetensors", 1, "model.safetensors"), ("safetensors", 2, "model-00002-of-00002.safetensors"),
+    ("pt", 1, "pytorch_model.bin")], ids=["safetensors", "sharded", "pt"])
+def test_a_tensor_load_weights_drops_is_named_with_its_file_and_the_fix(
+        fmt: str, num_shards: int, file: str, tiny_checkpoint: Callable[..., Path]) -> None:
+    checkpoint = tiny_checkpoint(LLAMA, fmt=fmt, num_shards=num_shards)
+    with pytest.raises(WeightLoadError) as info:
+        load_with(BorrowsDownProjLlama, checkpoint, load_format=fmt)
+    message = str(info.value)
+    assert message.startswith("BorrowsDownProjLlama.load_weights did not consume 1 checkpoint tensor(s): "
+                              f"'model.layers.1.mlp.down_proj.weight' ({file}).")
+    assert "Consume each in load_weights" in message and "declare it unused in the model's weights_mapper" in message
+    load_with(LlamaForCausalLM, checkpoint, load_format=fmt)  # the clean model consumes every tensor
+
+
+@pytest.mark.parametrize("model_cls", [LlamaForCausalLM, DropsInvFreqLlama])
+def test_a_tensor_the_weights_mapper_declares_unused_need_not_be_consumed(
+        model_cls: type[LlamaForCausalLM], llama_copy: Path) -> None:
+    edit_tensors(llama_copy, lambda t: t.update({INV_FREQ: torch.ones(8)}))
+    model = load_with(model_cls, llama_copy)
+    assert torch.equal(model.get_parameter("model.norm.weight"), load_file(llama_copy / "model.safetensors")[
+        "model.norm.weight"])
+
+
+def test_a_tied_checkpoint_may_hold_the_lm_head_it_does_not_load(tiny_checkpoint: Callable[..., Path],
+                                                                 tmp_path: Path) -> None:
+    qwen2 = Path(shutil.copytree(tiny_checkpoint("Qwen2ForCausalLM"), tmp_path / "qwen2"))  # tie_word_embeddings
+    edit_tensors(qwen2, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    start(qwen2)
+
+
+def test_a_rank_that_holds_no_vocabulary_rows_consumes_the_embedding_without_reading_it(tmp_path: Path) -> None:
+    """vocab_size=5 at TP=4: rank 3's rows [6, 8) all lie past the vocabulary, so it reads nothing of
+    embed_tokens or lm_head, and must not be told it left them unconsumed."""
+    checkpoint = make_checkpoint(LLAMA, tmp_path / "vocab5", overrides={"vocab_size": 5})
+    config = _config(checkpoint)
+    with tensor_parallel_state(3, 4):
+        loader = get_model_loader(config.load_config)
+        model = loader.load_model(config, torch.device("cpu"))
+    assert not model.get_parameter("model.embed_tokens.weight").any()
+    assert not model.get_parameter("lm_head.weight").any()
+
+
+def test_a_tensor_skipped_under_the_name_load_weights_gives_it_is_declared_unused(tiny_checkpoint: Callable[..., Path],
+                                                                                    tmp_path: Path) -> None:
+    """Llava's load_weights renames transformers 5's vision tower names to the Hub's before its weights mapper skips
+    them: the unused post_layernorm, spelled as transformers 5 writes it, is declared unused all the same."""
+    llava = Path(shutil.copytree(tiny_checkpoint("LlavaForConditionalGeneration"), tmp_path / "llava"))
+    edit_tensors(llava, lambda t: t.update({"vision_tower.post_layernorm.weight": torch.ones(32)}))
+    config = _config(llava)
+    get_model_loader(config.load_config).load_model(config, torch.device("cpu"))

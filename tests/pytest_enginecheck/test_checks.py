@@ -357,7 +357,8 @@ def test_load_catches_wrong_sharding_and_startup_catches_leaks(zoo: pytest.Pytes
     assert procs["message"].startswith("ProcessLeakLlamaForCausalLM started and shut down at tensor_parallel_size=2, "
                                        "but left behind: child processes [")
     # one helper per rank, and none of them outlived the check
-    helpers = re.fullmatch(r".*child processes \[(\d+), (\d+)\]\.", procs["message"])
+    helpers = re.fullmatch(r".*child processes \[(\d+), (\d+)\] \(\1: .*time\.sleep\(60\)'; \2: .*\)\.",
+                           procs["message"])  # each with its command line
     assert helpers, procs["message"]
     assert [pid for pid in map(int, helpers.groups()) if alive(pid, "time.sleep(60)")] == []
     result.stdout.fnmatch_lines([glob(line) for line in (

@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from pytest_enginecheck.checks import CheckContext, CheckResult
+from pytest_enginecheck.prompts import prompt_lengths
 from pytest_enginecheck.settings import Settings
+from pytest_enginecheck.targets.engine_ref.tiny_engine import BLOCK_SIZE, MAX_MODEL_LEN, MAX_TOKENS
 from pytest_enginecheck.targets.engine_ref.tp_explain import Capture, compare, explain_seeds, explain_tp
 from tests.zoo_sessions import PLANTED, zoo_session
 
@@ -72,9 +74,12 @@ def test_an_uncomparable_module_is_named_before_the_later_difference(
     assert results[DIAG, 1].outcome == "passed", results[DIAG, 1].message
     message = results[DIAG, 2].message
     assert results[DIAG, 2].detail["kind"] == "tp_mismatch", message
+    i = next(i for i, (a, b) in enumerate(zip(results[DIAG, 2].detail["outputs"], results[DIAG, 2].detail["reference"],
+                                               strict=True)) if a != b)
+    n = prompt_lengths(BLOCK_SIZE, MAX_MODEL_LEN, MAX_TOKENS)[i]  # the hooked prefill: the first prompt that differs
     assert ("The first module that could not be compared between tensor_parallel_size=1 and 2 is "
-            "model.layers.1.mlp.act_fn (PaddedSiluAndMul): its outputs there (shapes [(3, 96), (3, 96)]) cannot be "
-            "put back together into its reference output (3, 144)") in message
+            f"model.layers.1.mlp.act_fn (PaddedSiluAndMul): its outputs there (shapes [({n}, 96), ({n}, 96)]) cannot "
+            f"be put back together into its reference output ({n}, 144)") in message
     later = message.index("After it, the first module whose output differs is model.layers.1.mlp.down_proj")
     assert later > message.index("model.layers.1.mlp.act_fn")
     assert message.endswith("or its input already differs (model.layers.1.mlp.act_fn runs before it).")

@@ -3,7 +3,8 @@
 The cause comparison is tested directly on real exceptions, wrapped as the checks and the engine wrap them; one
 planted model (tests/plugin_zoo/zoo/planted_fold.py: a TP=2 sharding bug in layer 1 AND a leaked helper process)
 is read from the zoo.planted session (tests/zoo_sessions.py, shared with test_planted_bugs), where ``run_item`` ran
-it: load[tp=2] fails for the sharding, startup fails for the leak and says that load[tp=2] failed too.
+it: load[tp=1] fails for the leak (its engine is the first to shut down), load[tp=2] fails for the sharding and says
+that load[tp=1] failed too, startup fails for the leak and is folded into load[tp=1].
 """
 
 from __future__ import annotations
@@ -131,25 +132,29 @@ def test_the_first_exception_a_traceback_prints() -> None:
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], CheckResult]:
-    """The planted model's import, load[tp=2] and startup, and the clean twin's startup, as ``run_item`` returned
-    them in the zoo.planted session (every root selected; the planted model's load[tp=1] passes there)."""
+    """The planted model's import, load[tp=1], load[tp=2] and startup, and the clean twin's startup, as ``run_item``
+    returned them in the zoo.planted session (every root selected)."""
     session = zoo_session(tmp_path_factory, "planted", *PLANTED_SESSION)
     assert f"--enginecheck-target={SPEC}" in PLANTED_SESSION
-    assert session.results[PLANTED, "load[tp=1]"]["outcome"] == "passed"
     return {(arch, item): CheckResult(**session.results[arch, item])
-            for arch, item in ((PLANTED, "import"), (PLANTED, "load[tp=2]"), (PLANTED, "startup"), (TWIN, "startup"))}
+            for arch, item in ((PLANTED, "import"), (PLANTED, "load[tp=1]"), (PLANTED, "load[tp=2]"),
+                               (PLANTED, "startup"), (TWIN, "startup"))}
 
 
 def test_an_independent_failure_stays_a_failure(planted: dict[tuple[str, str], CheckResult]) -> None:
     assert planted[PLANTED, "import"].outcome == "passed"
+    leak = planted[PLANTED, "load[tp=1]"]
+    assert (leak.outcome, leak.detail["kind"]) == ("failed", "leak"), leak.message
+    assert leak.message.startswith(f"{PLANTED} started and shut down at tensor_parallel_size=1, but left behind")
     load = planted[PLANTED, "load[tp=2]"]
     assert (load.outcome, load.detail["kind"]) == ("failed", "tp_mismatch"), load.message
     assert "model.layers.1.mlp.down_proj" in load.message
-    startup = planted[PLANTED, "startup"]
-    assert (startup.outcome, startup.detail["kind"]) == ("failed", "leak"), startup.message
-    first, *_, last = startup.message.splitlines()
-    assert first.startswith(f"{PLANTED} started") and "tensor_parallel_size=2" in first and "left behind" in first
-    assert last == f"(load[tp=2] failed too, see enginecheck::{PLANTED}::load[tp=2].)"
+    assert load.message.splitlines()[-1] == f"(load[tp=1] failed too, see enginecheck::{PLANTED}::load[tp=1].)"
+    startup = planted[PLANTED, "startup"]  # the leak again: one root cause, one failure
+    assert (startup.outcome, startup.detail["kind"]) == ("skipped", "dependency"), startup.message
+    assert startup.message == f"load[tp=1] failed, see enginecheck::{PLANTED}::load[tp=1]"
+    assert startup.detail["failure"].startswith(f"{PLANTED} started and shut down at tensor_parallel_size=2, but "
+                                                f"left behind: child processes [")
 
 
 def test_the_clean_twin_passes(planted: dict[tuple[str, str], CheckResult]) -> None:

@@ -42,7 +42,7 @@ def test_a_sharding_bug_that_keeps_the_greedy_tokens_fails_load(results: dict[st
     result = results[SCALED]
     assert (result.outcome, result.detail.get("kind")) == ("failed", "tp_mismatch"), result.message
     assert result.message.startswith(f"At tensor_parallel_size=2, {SCALED} generates the same greedy tokens as at "
-                                     f"tensor_parallel_size=1, but other hidden states: model's output in the "
+                                     f"tensor_parallel_size=1, but other hidden states: {SCALED}'s output in the "
                                      f"prefill of prompt 2 differs by ")
     assert ("above the tolerance 0.0001 + 0.001 |x|. The first module whose output differs between "
             "tensor_parallel_size=1 and 2 is model.layers.1.self_attn.o_proj (RowParallelLinear): its weights do not "
@@ -56,5 +56,5 @@ def test_a_sharding_bug_that_keeps_the_greedy_tokens_fails_load(results: dict[st
 
 def test_the_clean_twin_passes_with_its_forward_compared(results: dict[str, CheckResult]) -> None:
     assert results[TWIN].outcome == "passed", results[TWIN].message
-    assert results[TWIN].detail["forward_compared"] == "model"
+    assert results[TWIN].detail["forward_compared"] == [TWIN, f"{TWIN}.compute_logits"]  # its output, its logits
     assert results[TWIN].detail["forward_max_difference"] < 1e-5  # float32 summation order only

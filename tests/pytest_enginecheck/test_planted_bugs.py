@@ -30,9 +30,12 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
                                  "that differ only in the seed (0 and 1) generate different tokens"),
         "load[tp=2]": ("skipped", "load[tp=1] failed, see enginecheck::RngMLPLlamaForCausalLM::load[tp=1]"),
     },
-    "PollerThreadLlamaForCausalLM": {
-        "startup": ("failed", "PollerThreadLlamaForCausalLM started at tensor_parallel_size=2, but did not shut "
-                              "down cleanly: rank 0 (pid "),
+    "PollerThreadLlamaForCausalLM": {  # every engine leaves the thread running: the first to shut down tells
+        "load[tp=1]": ("failed", "PollerThreadLlamaForCausalLM started at tensor_parallel_size=1, but did not shut "
+                                 "down cleanly: rank 0 (pid "),
+        **{item: ("skipped", "load[tp=1] failed, see enginecheck::PollerThreadLlamaForCausalLM::load[tp=1]")
+           for item in ("load[tp=2]", "budget[tp=1]", "budget[tp=2]", "startup", "quant[int8,tp=1]",
+                        "quant[int8,tp=2]")},
     },
     "QuantScaleLlamaForCausalLM": {
         "quant[int8,tp=1]": ("failed", "The int8 logits of QuantScaleLlamaForCausalLM (converted_tp1) are not "
@@ -45,11 +48,13 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
                                  "than at tensor_parallel_size=1"),
         "quant[int8,tp=2]": ("skipped", "load[tp=2] failed, see enginecheck::PaddedActLlamaForCausalLM::load[tp=2]"),
     },
-    "ShardAndLeakLlamaForCausalLM": {
+    "ShardAndLeakLlamaForCausalLM": {  # the leak, from every engine, and beside it the sharding at TP=2
+        "load[tp=1]": ("failed", "ShardAndLeakLlamaForCausalLM started and shut down at tensor_parallel_size=1, but "
+                                 "left behind: child processes ["),
         "load[tp=2]": ("failed", "At tensor_parallel_size=2, ShardAndLeakLlamaForCausalLM generates different "
                                  "tokens than at tensor_parallel_size=1"),
-        "startup": ("failed", "ShardAndLeakLlamaForCausalLM started and shut down at tensor_parallel_size=2, but "
-                              "left behind: child processes ["),
+        **{item: ("skipped", "load[tp=1] failed, see enginecheck::ShardAndLeakLlamaForCausalLM::load[tp=1]")
+           for item in ("budget[tp=1]", "budget[tp=2]", "startup", "quant[int8,tp=1]")},
         "quant[int8,tp=2]": ("skipped",
                              "load[tp=2] failed, see enginecheck::ShardAndLeakLlamaForCausalLM::load[tp=2]"),
     },
@@ -61,7 +66,7 @@ EXPECTED: dict[str, dict[str, tuple[str, str]]] = {
     },
     "DecodePositionsLlamaForCausalLM": {  # the same bug at TP=2 and in the quantized runs: only TP=1's KV run tells
         "load[tp=1]": ("failed", "DecodePositionsLlamaForCausalLM generates different tokens with the KV cache than "
-                                 "recomputing without it, at tensor_parallel_size=1: for prompt 0"),
+                                 "recomputing without it, at tensor_parallel_size=1: for prompt "),
     },
 }
 
@@ -103,16 +108,26 @@ def test_each_bug_is_named_where_it_was_planted(planted: tuple[str, dict]) -> No
            f"{zoo_loader('MirroredRowParallelLinear.weight_loader')}." in shard
     quant = results[("QuantScaleLlamaForCausalLM", "quant[int8,tp=2]")]["message"]
     assert "model.layers.1.mlp.down_proj.weight (rank 0: relative error 0.05, 1.05x deq(W))" in quant
-    poller = results[("PollerThreadLlamaForCausalLM", "startup")]
+    poller = results[("PollerThreadLlamaForCausalLM", "load[tp=1]")]
     assert "non-daemon thread 'kv-stats-poller-1' (target zoo.planted_thread.poll_kv_stats)" in poller["message"]
     assert poller["detail"]["kind"] == "unclean_shutdown"
+    # startup failed for it too (at TP=2, its workers needed SIGTERM), folded into load[tp=1] with its words kept
+    startup = results[("PollerThreadLlamaForCausalLM", "startup")]["detail"]
+    assert (startup["kind"], startup["cause"]) == ("dependency", "unclean_shutdown")
+    assert startup["failure"].startswith("PollerThreadLlamaForCausalLM started at tensor_parallel_size=2, but did not "
+                                         "shut down cleanly: rank 0 (pid ")
+    assert "needed SIGTERM" in startup["failure"] and "'kv-stats-poller-1'" in startup["failure"]
 
 
 def test_an_independent_failure_is_not_folded(planted: tuple[str, dict]) -> None:
-    """The leak has nothing to do with the sharding bug: startup fails for it and says its root failed too."""
-    startup = planted[1][("ShardAndLeakLlamaForCausalLM", "startup")]
-    assert startup["message"].endswith(
-        "\n(load[tp=2] failed too, see enginecheck::ShardAndLeakLlamaForCausalLM::load[tp=2].)")
-    assert (startup["detail"]["kind"], startup["detail"]["cause"]) == ("leak", "leak")
+    """The sharding bug has nothing to do with the leak: load[tp=2] fails for it and says its root (load[tp=1], failed
+    for the leak) failed too; what its own engines left is added, not put first."""
+    load = planted[1][("ShardAndLeakLlamaForCausalLM", "load[tp=2]")]
+    assert load["message"].endswith(
+        "\n(load[tp=1] failed too, see enginecheck::ShardAndLeakLlamaForCausalLM::load[tp=1].)")
+    assert ("\nIt also left things behind: ShardAndLeakLlamaForCausalLM started and shut down at "
+            "tensor_parallel_size=2, but left behind: child processes [") in load["message"]
+    assert (load["detail"]["kind"], load["detail"]["cause"]) == ("tp_mismatch", "tp_mismatch")
+    assert planted[1][("ShardAndLeakLlamaForCausalLM", "load[tp=1]")]["detail"]["cause"] == "leak"
     folded = planted[1][("ShardAndLeakLlamaForCausalLM", "quant[int8,tp=2]")]
     assert folded["detail"]["kind"] == "dependency"

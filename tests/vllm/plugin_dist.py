@@ -463,3 +463,33 @@ class ScaledLogitsLlama(transformers.LlamaForCausalLM):
         output.logits = output.logits * self.config.ectp_logit_scale
         return output
 '''
+
+# Issue 32 item 2 on vLLM: a Llama that starts a non-daemon thread at its first forward (it waits for ever: the rank's
+# exit waits for it, until the shutdown grace ends and the rank is killed), and its twin whose thread is a daemon.
+ENTRY_POINTS["threads"] = "ectp.threads:register"
+SOURCES["ectp/threads.py"] = '''\
+def register():
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model("EctpThreadForCausalLM", "ectp.models.threads:EctpThreadForCausalLM")
+    ModelRegistry.register_model("EctpDaemonThreadForCausalLM", "ectp.models.threads:EctpDaemonThreadForCausalLM")
+'''
+SOURCES["ectp/models/threads.py"] = "import threading\n\n" + _LLAMA + '''\
+def ectp_wait_forever(event):
+    event.wait()
+
+
+class EctpThreadForCausalLM(LlamaForCausalLM):
+    daemon_thread = False
+
+    def forward(self, *args, **kwargs):
+        if not hasattr(self, "_ectp_thread"):
+            self._ectp_thread = threading.Thread(target=ectp_wait_forever, args=(threading.Event(),),
+                                                 name="ectp-stats", daemon=self.daemon_thread)
+            self._ectp_thread.start()
+        return super().forward(*args, **kwargs)
+
+
+class EctpDaemonThreadForCausalLM(EctpThreadForCausalLM):
+    daemon_thread = True
+'''

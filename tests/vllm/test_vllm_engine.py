@@ -50,19 +50,22 @@ def test_tiny_checkpoints_of_the_text_families(in_child: Any, tmp_path: Any) -> 
     assert (llava["text_config"]["hidden_size"], llava["vision_config"]["hidden_size"]) == (64, 64)
 
 
-def _ctx(workdir: str, architecture: str, check: str, tp: int = 1, budget: str = "512MiB") -> CheckContext:
+def _ctx(workdir: str, architecture: str, check: str, tp: int = 1, budget: str = "512MiB",
+         tp_sizes: tuple[int, ...] = (1, 2)) -> CheckContext:
     return CheckContext(check=check, spec="vllm", architecture=architecture, module="", class_name="",
-                        workdir=workdir, tp=tp, options=Settings(budget_memory=budget, timeout=300.0))
+                        workdir=workdir, tp=tp, options=Settings(budget_memory=budget, timeout=300.0,
+                                                                 tp_sizes=tp_sizes))
 
 
-def _check(name: str, workdir: str, architecture: str, tp: int = 1, budget: str = "512MiB") -> Any:
+def _check(name: str, workdir: str, architecture: str, tp: int = 1, budget: str = "512MiB",
+           tp_sizes: tuple[int, ...] = (1, 2)) -> Any:
     import os
 
     from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
 
-    os.environ["VLLM_PLUGINS"] = "clean,bad_shard,hungry,workspace,workspace_view"
+    os.environ["VLLM_PLUGINS"] = "clean,bad_shard,hungry,workspace,workspace_view,threads"
     try:
-        return CHECK_FUNCTIONS[name](_ctx(workdir, architecture, name, tp, budget))
+        return CHECK_FUNCTIONS[name](_ctx(workdir, architecture, name, tp, budget, tp_sizes))
     except CheckFailure as e:
         return e.message
 
@@ -116,3 +119,19 @@ def test_startup_tp2_leaves_nothing_behind(in_child: Any, tmp_path: Any) -> None
     detail = in_child(_check, "startup", str(tmp_path), "Qwen2ForCausalLM")
     assert isinstance(detail, dict), detail
     assert detail["tensor_parallel_size"] == 2
+
+
+@pytest.mark.parametrize("architecture, clean", [("EctpThreadForCausalLM", False),
+                                                 ("EctpDaemonThreadForCausalLM", True)])
+def test_startup_fails_a_rank_a_non_daemon_thread_kept_alive_naming_it(in_child: Any, tmp_path: Any, architecture: str,
+                                                                       clean: bool) -> None:
+    """A rank that answered but had to be killed after the shutdown grace fails startup with its stacks, which name
+    the model's thread; a daemon thread does not keep it alive. At TP=1 (the ranks' exit is the same code at TP=2)."""
+    result = in_child(_check, "startup", str(tmp_path), architecture, 1, "512MiB", (1,), timeout=600.0)
+    if clean:
+        assert isinstance(result, dict), result
+        return
+    assert isinstance(result, str), result
+    assert result.startswith(f"{architecture} started, generated and shut down at tensor_parallel_size=1 (float32), "
+                             f"but rank 0 did not exit by itself within 10 s and was killed."), result
+    assert "ectp_wait_forever" in result, result  # the thread's function, in the stacks read before the kill

@@ -42,6 +42,8 @@ class VocabParallelEmbedding(nn.Module):
         rows = max(0, self.vocab_end_index - self.vocab_start_index)
         if rows:
             copy_into(param.data[:rows], loaded.narrow(0, self.vocab_start_index, rows).load(), loaded.name)
+        else:  # every row of this rank is padding past the vocabulary: it needs none of the tensor
+            loaded.mark_consumed()
         param.data[rows:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,11 @@
 - ``pt``: ``pytorch_model*.bin`` / ``*.pt`` through ``torch.load(weights_only=True)`` only.
 - ``dummy``: random values, no files (startup and memory checks without a checkpoint).
 
+The checkpoint is fully accounted for, both ways (vLLM checks only the first): every parameter is
+loaded (the names the model's ``load_weights`` returns), and every checkpoint tensor is consumed
+(``CheckpointTensor.load`` of at least this rank's part) unless the model's ``weights_mapper.skip``
+declares it unused; a model that drops a tensor silently fails to load, naming it.
+
 A float64 tensor is refused (WeightLoadError) before its bytes are read: engine_ref never runs in
 float64 (config.json's torch_dtype may not say it either), and casting it silently would lose precision.
 
@@ -33,6 +38,7 @@ from engine_ref.model_executor.model_loader.weight_utils import (
     LoadStats,
     checkpoint_shapes,
     missing_tensors_error,
+    unconsumed_tensors_error,
 )
 from engine_ref.model_executor.models.interfaces import VllmModel
 from engine_ref.model_executor.models.registry import RegisteredModel
@@ -98,19 +104,29 @@ class DefaultModelLoader(BaseModelLoader):
 
     def load_weights(self, model: nn.Module, config: EngineConfig) -> None:
         model_dir = Path(config.model_config.model)
+        consumed: set[str] = set()
         if self.load_config.load_format == "pt":
-            weights = self._pt_weights(model_dir)
+            weights = self._pt_weights(model_dir, consumed)
         else:
-            weights = self._safetensors_weights(model_dir)
-        loaded = cast(VllmModel, model).load_weights(weights)  # ModelInfo checked the class has it
+            weights = self._safetensors_weights(model_dir, consumed)
+        offered: dict[str, str] = {}  # checkpoint tensor name -> its file
+        stream = _recorded(weights, offered)
+        loaded = cast(VllmModel, model).load_weights(stream)  # ModelInfo checked the class has it
+        for _ in stream:  # the tensors load_weights stopped before: they are not consumed either
+            pass
+        mapper = getattr(model, "weights_mapper", None)
         not_loaded = [name for name, _ in model.named_parameters() if name not in loaded]
         if not_loaded:  # the model's own load_weights skipped parameters
-            mapper = getattr(model, "weights_mapper", None)
             names = [mapper.to_checkpoint(n, s) if mapper else n
                      for n in not_loaded for s in checkpoint_shapes(model.get_parameter(n))]
             raise missing_tensors_error(names)
+        skip = mapper.skip if mapper else ()
+        unconsumed = {name: origin for name, origin in offered.items()
+                      if name not in consumed and not any(part in name for part in skip)}
+        if unconsumed:
+            raise unconsumed_tensors_error(type(model).__name__, unconsumed)
 
-    def _safetensors_weights(self, model_dir: Path) -> Weights:
+    def _safetensors_weights(self, model_dir: Path, consumed: set[str]) -> Weights:
         index = model_dir / SAFETENSORS_INDEX
         files = _files_from_index(index) if index.exists() else sorted(model_dir.glob("*.safetensors"))
         if not files:
@@ -131,9 +147,10 @@ class DefaultModelLoader(BaseModelLoader):
                     tensor_slice = f.get_slice(name)
                     if tensor_slice.get_dtype() == "F64":
                         raise _float64_error(name, path)
-                    yield name, CheckpointTensor(name, tensor_slice, tensor_slice.get_shape(), path.name, self.stats)
+                    yield name, CheckpointTensor(name, tensor_slice, tensor_slice.get_shape(), path.name, self.stats,
+                                                 consumed=consumed)
 
-    def _pt_weights(self, model_dir: Path) -> Weights:
+    def _pt_weights(self, model_dir: Path, consumed: set[str]) -> Weights:
         index = model_dir / PT_INDEX
         if index.exists():
             files = _files_from_index(index)
@@ -154,7 +171,14 @@ class DefaultModelLoader(BaseModelLoader):
             for name, tensor in state.items():
                 if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float64:
                     raise _float64_error(name, path)
-                yield name, CheckpointTensor.from_tensor(name, tensor, path.name, self.stats)
+                yield name, CheckpointTensor.from_tensor(name, tensor, path.name, self.stats, consumed)
+
+
+def _recorded(weights: Weights, offered: dict[str, str]) -> Weights:
+    """``weights``, each tensor's name and file recorded in ``offered`` as it is handed on."""
+    for name, tensor in weights:
+        offered[name] = tensor.origin
+        yield name, tensor
 
 
 def _float64_error(name: str, path: Path) -> WeightLoadError:

@@ -7,7 +7,8 @@ The contract (vLLM's): every parameter may carry
 
 A CheckpointTensor is a handle, not data: ``narrow`` selects rows or columns and ``load`` reads
 only those bytes (through ``safe_open(...).get_slice``), so a rank never reads the whole of a
-tensor it only holds a shard of.
+tensor it only holds a shard of. ``load`` also records the tensor as consumed, which is how the
+loader proves that ``load_weights`` used every tensor of the checkpoint (at least its rank's part).
 """
 
 from __future__ import annotations
@@ -45,21 +46,27 @@ class LoadStats:
 
 
 class CheckpointTensor:
-    """A checkpoint tensor read lazily; ``narrow`` then ``load`` reads only the selected part."""
+    """A checkpoint tensor read lazily; ``narrow`` then ``load`` reads only the selected part.
+
+    ``consumed``, when given, is the set of checkpoint tensor names the model has consumed: ``load`` (of
+    any part) and ``mark_consumed`` add this tensor's name to it.
+    """
 
     def __init__(self, name: str, source: Any, shape: Sequence[int], origin: str,
-                 stats: LoadStats | None = None, index: tuple[slice, ...] | None = None) -> None:
+                 stats: LoadStats | None = None, index: tuple[slice, ...] | None = None,
+                 consumed: set[str] | None = None) -> None:
         self.name = name
         self.origin = origin  # the file it came from, for messages
         self._source = source  # a safetensors slice or a torch.Tensor
         self._stats = stats
+        self._consumed = consumed
         self._index = index or tuple(slice(0, n) for n in shape)
         self.shape = tuple(s.stop - s.start for s in self._index)
 
     @classmethod
-    def from_tensor(cls, name: str, tensor: torch.Tensor, origin: str, stats: LoadStats | None = None
-                    ) -> CheckpointTensor:
-        return cls(name, tensor, tuple(tensor.shape), origin, stats)
+    def from_tensor(cls, name: str, tensor: torch.Tensor, origin: str, stats: LoadStats | None = None,
+                    consumed: set[str] | None = None) -> CheckpointTensor:
+        return cls(name, tensor, tuple(tensor.shape), origin, stats, consumed=consumed)
 
     def narrow(self, dim: int, start: int, length: int) -> CheckpointTensor:
         """The rows (dim 0) or columns (dim 1) ``[start, start + length)`` of this view."""
@@ -71,7 +78,7 @@ class CheckpointTensor:
         base = self._index[dim].start
         index = list(self._index)
         index[dim] = slice(base + start, base + start + length)
-        return CheckpointTensor(self.name, self._source, (), self.origin, self._stats, tuple(index))
+        return CheckpointTensor(self.name, self._source, (), self.origin, self._stats, tuple(index), self._consumed)
 
     def load(self) -> torch.Tensor:
         """Read the selected part from disk."""
@@ -86,7 +93,14 @@ class CheckpointTensor:
             ) from None
         if self._stats is not None:
             self._stats.record(self.origin, start, time.monotonic_ns(), tensor.numel() * tensor.element_size())
+        self.mark_consumed()
         return tensor
+
+    def mark_consumed(self) -> None:
+        """Count this tensor as consumed without reading it: this rank holds none of it (a vocabulary shard
+        past the end of the vocabulary), or the model's weights mapper declares it unused (``skip``)."""
+        if self._consumed is not None:
+            self._consumed.add(self.name)
 
 
 def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:
@@ -180,13 +194,15 @@ def load_mapped_weights(model: nn.Module, weights: Iterable[tuple[str, Checkpoin
     """Feed checkpoint tensors to the parameters' weight loaders; return the loaded parameter names.
 
     Raises WeightLoadError naming any checkpoint tensor the model has no parameter for, and any
-    parameter shard the checkpoint did not provide.
+    parameter shard the checkpoint did not provide, except one whose tensor ``mapper.skip`` declares
+    unused: that parameter is derived by the model, whose load_weights returns its name itself.
     """
     params = dict(model.named_parameters())
     loaded: dict[str, set[ShardId]] = defaultdict(set)
     for name, tensor in weights:
         target = mapper.to_param(name)
-        if target is None:
+        if target is None:  # declared unused (skip), after the renames the model's load_weights made
+            tensor.mark_consumed()
             continue
         param_name, shard_id = target
         param = params.get(param_name)
@@ -202,14 +218,27 @@ def load_mapped_weights(model: nn.Module, weights: Iterable[tuple[str, Checkpoin
             loader(param, tensor, shard_id)
         loaded[param_name].add(shard_id)
     missing = [
-        mapper.to_checkpoint(param_name, shard_id)
+        name
         for param_name, param in params.items()
         for shard_id in checkpoint_shapes(param)
         if shard_id not in loaded[param_name]
+        and mapper.to_param(name := mapper.to_checkpoint(param_name, shard_id)) is not None
     ]
     if missing:
         raise missing_tensors_error(missing)
     return set(loaded)
+
+
+def unconsumed_tensors_error(model_name: str, unconsumed: dict[str, str]) -> WeightLoadError:
+    """The error for checkpoint tensors (name -> file) that ``model_name.load_weights`` never consumed."""
+    shown = ", ".join(f"{n!r} ({unconsumed[n]})" for n in sorted(unconsumed)[:8])
+    more = f" and {len(unconsumed) - 8} more" if len(unconsumed) > 8 else ""
+    return WeightLoadError(
+        f"{model_name}.load_weights did not consume {len(unconsumed)} checkpoint tensor(s): {shown}{more}. It "
+        f"dropped them silently, so what they hold is not in the model. Consume each in load_weights (hand it to "
+        f"its parameter's weight_loader, which reads it with CheckpointTensor.load), or, if the model does not use "
+        f"it, declare it unused in the model's weights_mapper (WeightsMapper(skip=(...)))."
+    )
 
 
 def missing_tensors_error(names: list[str]) -> WeightLoadError:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from pytest_enginecheck.settings import Settings
 
 MAPPING_CHECKS = ("import", "inspect")
+ENGINE_CHECKS = ("load", "budget", "startup", "lora", "quant")  # they start engines (tiny_engine.start_engine)
 ESTIMATE_CHECKS = ("budget", "quant")  # they compare against engine_ref.memory.estimate
 CHECK_MODULES = {
     "import": "pytest_enginecheck.checks.import_check",
@@ -96,8 +97,14 @@ class EngineRefTarget(RegistryTarget):
                               f"{', '.join(unknown)}; choose from {','.join(QUANTIZATION_METHODS)}")
 
     def check_function(self, check: str) -> CheckFunction:
+        """The check module's ``run``; for a check that starts engines, with what they leave behind in its verdict
+        (leftovers.reported_after)."""
         module: ModuleType = importlib.import_module(CHECK_MODULES[check])
         function: CheckFunction = module.run
+        if check in ENGINE_CHECKS:
+            from pytest_enginecheck.targets.engine_ref.leftovers import reported_after
+
+            return reported_after(function)
         return function
 
     def warm_parent_modules(self, checks: tuple[str, ...], strict: bool = False) -> tuple[str, ...]:

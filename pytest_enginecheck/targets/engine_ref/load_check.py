@@ -20,8 +20,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure
+from pytest_enginecheck.prompts import DIAGNOSIS_PROMPT
+from pytest_enginecheck.targets.engine_ref import cuda_ranks
+from pytest_enginecheck.targets.engine_ref.checkpoint_values import verify_checkpoint_values
 from pytest_enginecheck.targets.engine_ref.registry import engine_ref_registry
-from pytest_enginecheck.targets.engine_ref.tiny_engine import greedy, prompts, tiny_checkpoint, verify_tp
+from pytest_enginecheck.targets.engine_ref.tiny_engine import checkpoint_prompts, greedy, tiny_checkpoint, verify_tp
 
 if TYPE_CHECKING:
     from pytest_enginecheck.targets.engine_ref.tp_explain import Diagnosis
@@ -37,7 +40,8 @@ HINT = "Hint: check the weight_loader and the collectives of the layers this mod
 
 def _diagnosis(ctx: CheckContext, ckpt: Any, prompt: list[int], started: bool = True,
                since: float | None = None) -> Diagnosis:
-    """tp_diagnosis.diagnose's Diagnosis; when the diagnosis itself fails, one that says so with its error.
+    """tp_diagnosis.diagnose's Diagnosis; when the diagnosis itself fails, one that says so with its error. When
+    it finds that two TP=N runs disagree (``started``), raise the check's failure: nondeterministic at TP=N only.
 
     ``since``: when the check started (time.monotonic()); the diagnosis gets only what is left of --enginecheck-timeout,
     so a start that hung (and would hang the diagnosis too) is reported in the engine's words, not as the check's
@@ -53,12 +57,28 @@ def _diagnosis(ctx: CheckContext, ckpt: Any, prompt: list[int], started: bool = 
             return Diagnosis(f"The diagnosis was not run: the check had spent {spent:.0f} s of its "
                              f"{ctx.options.timeout:g} s (--enginecheck-timeout), so it names no module.")
     try:
-        return diagnose(ctx.spec, ckpt, ctx.tp, prompt, timeout=timeout, started=started)
+        diagnosis = diagnose(ctx.spec, ckpt, ctx.tp, prompt, timeout=timeout, started=started)
     except Exception as e:  # noqa: BLE001 - the check's own finding stands; the user learns why none was added
         lines = str(e).strip().splitlines() or [""]
         # A rank's failure reads "rank 0 of 2 failed:" and its traceback: the last line is the exception.
         error = f"{lines[0]} {lines[-1].strip()}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
         return Diagnosis(f"The diagnosis failed ({type(e).__name__}: {error}), so it names no module. {HINT}")
+    if diagnosis.nondeterministic:
+        raise tp_nondeterminism(ctx, "its tokens there differ from tensor_parallel_size=1's", diagnosis)
+    return diagnosis
+
+
+def tp_nondeterminism(ctx: CheckContext, what: str, diagnosis: Diagnosis) -> CheckFailure:
+    """The failure of a model whose TP=N run does not reproduce itself (``diagnosis``: ``explain_rerun``'s), where
+    TP=1 under two seeds agreed (verify_deterministic ran first): ``what`` TP=N did against TP=1."""
+    return CheckFailure(
+        f"{ctx.architecture} is nondeterministic at tensor_parallel_size={ctx.tp} only: {what}, and two runs at "
+        f"tensor_parallel_size={ctx.tp} of the same prompt under the same seed do not agree with each other, where "
+        f"two runs at tensor_parallel_size=1 under seeds {SEEDS[0]} and {SEEDS[1]} agree exactly. {diagnosis.text} "
+        f"Its tensor parallelism was not compared with tensor_parallel_size=1 (a run that does not reproduce itself "
+        f"cannot be).",
+        {"kind": "nondeterministic", "tensor_parallel_size": ctx.tp, "module": diagnosis.module,
+         "diagnosis": diagnosis.text})
 
 
 def verify_deterministic(ctx: CheckContext, ckpt: Any, reference: list[list[int]],
@@ -71,7 +91,7 @@ def verify_deterministic(ctx: CheckContext, ckpt: Any, reference: list[list[int]
     if again is None:
         again, _ = greedy(ctx, ckpt, 1, seed=SEEDS[1])
     changed = [i for i, (a, b) in enumerate(zip(reference, again, strict=True)) if a != b]
-    i = changed[0] if changed else len(reference) - 1  # the longest prompt when the tokens agree
+    i = changed[0] if changed else DIAGNOSIS_PROMPT  # a short one when the tokens agree
     finding = diagnose_seeds(ctx.spec, ckpt, reference_prompt(ckpt, i), SEEDS)
     if finding is None and not changed:
         return {"deterministic_seeds": list(SEEDS)}
@@ -81,9 +101,11 @@ def verify_deterministic(ctx: CheckContext, ckpt: Any, reference: list[list[int]
         what = f"{runs} generate different tokens (prompt {i}: {reference[i]} vs {again[i]})"
     else:
         what = f"{runs} generate the same tokens, but not the same module outputs (prompt {i})"
+    # None: every output the hooked prefill compared agrees exactly, the model's own and its logits included
     found = finding.text if finding is not None else (
-        f"The hooked forward of prompt {i} (its prefill, without the KV cache) gives the same output in every module "
-        f"under both seeds: the difference arises in decoding with the KV cache.")
+        f"The hooked forward of prompt {i} (its prefill, without the KV cache) gives the same output under both "
+        f"seeds in every module, the model's own output and its logits included: the difference arises in decoding "
+        f"with the KV cache.")
     unused = " Its tensor parallelism was not compared (its seeded-alike ranks agree whatever the seed does)."
     raise CheckFailure(
         f"{ctx.architecture} is nondeterministic: {what}. {found}{unused if ctx.tp > 1 else ''}",
@@ -94,8 +116,9 @@ def verify_deterministic(ctx: CheckContext, ckpt: Any, reference: list[list[int]
 @contextlib.contextmanager
 def tp1_model(ctx: CheckContext, ckpt: Any) -> Iterator[Any]:
     """The architecture's TP=1 model built in this process as a worker builds it (kv_consistency.load_tp1), under a
-    CudaGuard: the only build the checker sees happen (the engine's workers build theirs unguarded), so one that
-    touches CUDA (strict: queries it) fails here. One intra-op thread, the RNG and autograd left as found."""
+    CudaGuard: the only build the checker sees happen (the engine's ranks build theirs unguarded, except under
+    --enginecheck-strict: cuda_ranks), so one that touches CUDA (strict: queries it) fails here. One intra-op thread,
+    the RNG and autograd left as found."""
     import torch
 
     from pytest_enginecheck.guard import CudaGuard
@@ -120,13 +143,18 @@ def tp1_model(ctx: CheckContext, ckpt: Any) -> Iterator[Any]:
 
 def verify_kv_cache(ctx: CheckContext, ckpt: Any, outputs: list[list[int]], model: Any) -> dict[str, Any]:
     """Fail when a token the engine generated with the KV cache is not what ``model`` (``tp1_model``) recomputes
-    from its prefix without the cache (kv_consistency); return the run's detail."""
+    from its prefix without the cache, or when the engine's scheduler and model runner, driving ``model`` over a KV
+    cache on the engine's tokens, give other log-probabilities than that recompute (kv_consistency); return the
+    run's detail."""
     from pytest_enginecheck.targets.engine_ref import kv_consistency
 
     vocab_prompts = [reference_prompt(ckpt, i) for i in range(len(outputs))]
     mismatch = kv_consistency.first_kv_mismatch(model, vocab_prompts, outputs)
     if mismatch is None:
-        return {"kv_cache_equals_recompute": True}
+        config = kv_consistency.engine_config(ckpt, SEEDS[0])
+        mismatch, largest = kv_consistency.first_cached_difference(model, config, vocab_prompts, outputs)
+        if mismatch is None:
+            return {"kv_cache_equals_recompute": True, "kv_max_logprob_difference": largest}
     raise CheckFailure(kv_consistency.describe(ctx.architecture, mismatch, vocab_prompts),
                        {"kind": "kv_cache_mismatch", "outputs": outputs, **mismatch})
 
@@ -138,9 +166,9 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     try:
         outputs, report = greedy(ctx, ckpt, ctx.tp)
     except CheckFailure as failure:
-        if ctx.tp == 1:
+        if ctx.tp == 1 or failure.detail.get("kind") in cuda_ranks.KINDS:  # a rank touched CUDA: no TP question
             raise
-        diagnosis = _diagnosis(ctx, ckpt, reference_prompt(ckpt, 1), started=False, since=since)
+        diagnosis = _diagnosis(ctx, ckpt, reference_prompt(ckpt, DIAGNOSIS_PROMPT), started=False, since=since)
         if diagnosis.module is None:  # the engine's own words stand, with what the diagnosis could say
             raise CheckFailure(f"{failure.message} {diagnosis.text}",
                                {**failure.detail, "diagnosis": diagnosis.text}) from None
@@ -156,6 +184,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         with tp1_model(ctx, ckpt) as model:  # one guarded build for both oracles
             detail.update(verify_kv_cache(ctx, ckpt, outputs, model))
             detail.update(verify_reference(ctx, ckpt, outputs, model))
+            detail.update(verify_checkpoint_values(ctx, ckpt, model))
         return detail
     # The TP=1 reference runs under the other seed: equal to TP=N (under the engine's seed), it is also the
     # determinism check's second run, for free. Unequal, TP=1 under the engine's seed tells whether the model
@@ -172,7 +201,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
             f"tensor_parallel_size=1 (prompt {i}: {outputs[i]} vs {reference[i]}). {diagnosis.text}",
             {**detail, "kind": "tp_mismatch", "outputs": outputs, "reference": reference,
              "diagnosis": diagnosis.text})
-    detail.update(verify_same_forward(ctx, ckpt, len(outputs) - 1))
+    detail.update(verify_same_forward(ctx, ckpt, DIAGNOSIS_PROMPT))
     return detail
 
 
@@ -211,19 +240,20 @@ def verify_reference(ctx: CheckContext, ckpt: Any, outputs: list[list[int]], mod
 
 def verify_same_forward(ctx: CheckContext, ckpt: Any, i: int) -> dict[str, Any]:
     """Fail when TP=N's greedy tokens equal TP=1's but one hooked prefill of prompt ``i`` does not end in TP=1's
-    hidden states (the output of the module that finishes last, whole on every rank, within tp_compare's float32
-    tolerance); then tp_explain names the first module that differs. Return the run's detail.
+    outputs (the model's own output and its logits, whole on every rank, within tp_compare's float32 tolerance);
+    then a second TP=N run tells a nondeterminism at TP=N (``tp_nondeterminism``) from what tp_explain blames on
+    the first module that differs. Return the run's detail.
 
     Equal tokens are a weak oracle for a tiny model, whose output distribution is nearly flat: a sharding bug that
-    keeps every greedy token (a shard scaled by 1.01) still changes what the model computes. Only the final output
-    decides, not every module's: a module whose rank outputs the diagnosis puts back together by their shapes alone
+    keeps every greedy token (a shard scaled by 1.01) still changes what the model computes. Only the final outputs
+    decide, not every module's: a module whose rank outputs the diagnosis puts back together by their shapes alone
     (a per-head norm over flattened heads) can look different when it is not. Two hooked forwards (TP=1 and TP=N,
     one prompt) cost less than one engine start."""
     import torch
 
     from pytest_enginecheck.multirank import run_multirank
     from pytest_enginecheck.targets.engine_ref.tp_diagnosis import capture
-    from pytest_enginecheck.targets.engine_ref.tp_explain import explain_tp
+    from pytest_enginecheck.targets.engine_ref.tp_explain import Diagnosis, explain_rerun, explain_tp
     from pytest_enginecheck.tp_compare import ATOL, RTOL
 
     prompt, timeout = reference_prompt(ckpt, i), max(10.0, ctx.options.timeout * 0.4)
@@ -233,30 +263,41 @@ def verify_same_forward(ctx: CheckContext, ckpt: Any, i: int) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - the tokens agreed; the detail says why the forwards were not compared
         return {"forward_not_compared": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"}
     failed = one.error or next((r.error for r in ranks if r.error is not None), None)
-    last = one.order[-1] if one.order else None
-    if failed is not None or last is None or any(last not in r.outputs for r in ranks):
+    finals = [k for k in (one.root, one.logits) if k is not None] or one.order[-1:]
+    missing = next((k for k in finals if any(k not in r.outputs for r in [one, *ranks])), None)
+    if failed is not None or not finals or missing is not None:
         return {"forward_not_compared": f"the hooked forward raised {failed}" if failed else
-                f"no rank output of {last or 'any module'} was captured"}
-    full = one.outputs[last].float()
-    parts = [r.outputs[last].float() for r in ranks]
-    if any(p.shape != full.shape for p in parts):
-        return {"forward_not_compared": f"{last}'s output is not whole on every rank"}
-    difference = max(float((p - full).abs().max()) for p in parts) if full.numel() else 0.0
-    if all(torch.allclose(p, full, atol=ATOL, rtol=RTOL) for p in parts):
-        return {"forward_compared": last, "forward_max_difference": difference}
-    diagnosis = explain_tp(one, ranks, ctx.tp)
+                f"no rank output of {missing or 'any module'} was captured"}
+    differences: dict[str, float] = {}
+    for key in finals:
+        full, parts = one.outputs[key].float(), [r.outputs[key].float() for r in ranks]
+        if any(p.shape != full.shape for p in parts):
+            return {"forward_not_compared": f"{key}'s output is not whole on every rank"}
+        differences[key] = max(float((p - full).abs().max()) for p in parts) if full.numel() else 0.0
+        if not all(torch.allclose(p, full, atol=ATOL, rtol=RTOL) for p in parts):
+            break
+    else:
+        return {"forward_compared": finals, "forward_max_difference": max(differences.values())}
+    what = "other logits" if key == one.logits else "other hidden states"
+    found = (f"{key}'s output in the prefill of prompt {i} differs by {differences[key]:.3g} (max abs), above the "
+             f"tolerance {ATOL:g} + {RTOL:g} |x|")
+    try:  # a difference that a second TP=N run does not reproduce is no module's weights or collective
+        diagnosis = explain_rerun(ranks, run_multirank(capture, ctx.tp, ctx.spec, str(ckpt), prompt,
+                                                       timeout=timeout), ctx.tp)
+    except Exception as e:  # noqa: BLE001 - the difference stands; the user learns why no module is blamed
+        diagnosis = Diagnosis(f"A second run at tensor_parallel_size={ctx.tp}, to reproduce it, failed "
+                              f"({type(e).__name__}), so no module is blamed.")
+    if diagnosis is not None and diagnosis.nondeterministic:
+        raise tp_nondeterminism(ctx, f"its greedy tokens there equal tensor_parallel_size=1's, but {found}",
+                                diagnosis)
+    diagnosis = diagnosis or explain_tp(one, ranks, ctx.tp)
     raise CheckFailure(
         f"At tensor_parallel_size={ctx.tp}, {ctx.architecture} generates the same greedy tokens as at "
-        f"tensor_parallel_size=1, but other hidden states: {last}'s output in the prefill of prompt {i} differs by "
-        f"{difference:.3g} (max abs), above the tolerance {ATOL:g} + {RTOL:g} |x|. {diagnosis.text}",
+        f"tensor_parallel_size=1, but {what}: {found}. {diagnosis.text}",
         {"kind": "tp_mismatch", "tensor_parallel_size": ctx.tp, "module": diagnosis.module,
-         "forward_max_difference": difference, "diagnosis": diagnosis.text})
+         "forward_max_difference": differences[key], "diagnosis": diagnosis.text})
 
 
 def reference_prompt(ckpt: Any, i: int) -> list[int]:
-    """Prompt ``i`` of the fixed prompts, in the checkpoint's vocabulary."""
-    import json
-
-    config = json.loads((ckpt / "config.json").read_text())
-    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
-    return prompts(vocab)[i]
+    """Prompt ``i`` of the fixed prompts, in the checkpoint's vocabulary (``tiny_engine.checkpoint_prompts``)."""
+    return checkpoint_prompts(ckpt)[i]

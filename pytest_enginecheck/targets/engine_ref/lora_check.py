@@ -1,10 +1,14 @@
-"""lora: a tiny PEFT adapter loads into the slots the engine preallocates at TP=N, and changes greedy tokens
-as at TP=1.
+"""lora: a tiny PEFT adapter loads into the slots the engine preallocates at TP=N, changes greedy tokens as at
+TP=1, and at TP=1 computes what the architecture's reference computes with PEFT's adapter.
 
 The architecture's tiny checkpoint gets a random adapter (``make_lora``, fixed seed) on every module
 LoRA can run on. The engine starts at TP=N with ``enable_lora=True``; greedy tokens with the adapter
-must equal TP=1's with the adapter (A and B shard as the base layers do) and differ from the tokens
-without it (the LoRA layers are applied). Architectures whose class does not declare SupportsLoRA skip.
+must differ from the tokens without it (the LoRA layers are applied). At TP=N they must equal TP=1's with
+the adapter (A and B shard as the base layers do); at TP=1, the model's log-probabilities with the adapter
+and without it must equal those of its reference implementation (``find_reference``) with the same adapter
+loaded by PEFT (``lora_oracle``), which catches what is wrong at every TP size alike (an adapter that one
+target module never applies). Without a reference the detail's ``oracle`` is ``self`` and says why.
+Architectures whose class does not declare SupportsLoRA skip.
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
+from pytest_enginecheck.targets.engine_ref import lora_oracle
 from pytest_enginecheck.targets.engine_ref.registry import engine_ref_registry
 from pytest_enginecheck.targets.engine_ref.tiny_engine import (
     MAX_TOKENS,
-    prompts,
+    checkpoint_prompts,
     start_engine,
     tiny_checkpoint,
     verify_tp,
@@ -56,7 +61,7 @@ def generate(ctx: CheckContext, ckpt: Path, tp: int, adapter: Path) -> tuple[lis
     from engine_ref.lora.request import LoRARequest
 
     with start_engine(ctx, ckpt, tp, enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=LORA_RANK) as llm:
-        batch = prompts(llm.engine.config.model_config.hf_text_config.vocab_size)
+        batch = checkpoint_prompts(ckpt)
         try:
             with_lora = llm.generate(batch, max_tokens=MAX_TOKENS, ignore_eos=True,
                                      lora_request=LoRARequest("enginecheck", 1, str(adapter)))
@@ -71,11 +76,13 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     from engine_ref.model_executor.models.interfaces import ModelInfo
 
     registry = engine_ref_registry(ctx.spec)
-    info = ModelInfo.from_model_cls(ctx.architecture, registry.resolve_model_cls(ctx.architecture))
+    model_cls = registry.resolve_model_cls(ctx.architecture)
+    info = ModelInfo.from_model_cls(ctx.architecture, model_cls)
     if not info.supports_lora:
         raise CheckSkip(f"{ctx.architecture} does not declare SupportsLoRA, so the engine refuses enable_lora for it")
     ckpt = tiny_checkpoint(ctx, registry)
     verify_tp(ckpt, ctx.tp)
+    reference, why = lora_oracle.find_lora_reference(ctx, model_cls) if ctx.tp == 1 else (None, "")
     adapter = tiny_adapter(ctx, ckpt)
     with_lora, without, report = generate(ctx, ckpt, ctx.tp, adapter)
     detail: dict[str, Any] = {"tensor_parallel_size": ctx.tp, "max_loras": MAX_LORAS, "max_lora_rank": LORA_RANK,
@@ -86,15 +93,18 @@ def run(ctx: CheckContext) -> dict[str, Any]:
             f"At tensor_parallel_size={ctx.tp}, {ctx.architecture} generates the same tokens with a LoRA adapter as "
             f"without it: its LoRA layers are not applied. Check that the model calls the layers LoRA wraps "
             f"(their forward), not their weights directly.", {**detail, "kind": "lora_not_applied"})
-    if ctx.tp > 1:
-        reference, _, _ = generate(ctx, ckpt, 1, adapter)
-        detail["reference"] = reference
-        mismatched = [i for i, (a, b) in enumerate(zip(with_lora, reference, strict=True)) if a != b]
-        if mismatched:
-            i = mismatched[0]
-            raise CheckFailure(
-                f"At tensor_parallel_size={ctx.tp}, {ctx.architecture} with a LoRA adapter generates different tokens "
-                f"than at tensor_parallel_size=1 (prompt {i}: {with_lora[i]} vs {reference[i]}): the adapter's A or "
-                f"B is sharded unlike its base layer. Check the output_shard / input_start of the layers this model "
-                f"changed: LoRA reads its slices from them.", {**detail, "kind": "tp_mismatch"})
+    if ctx.tp == 1:
+        if reference is None:
+            return {**detail, "oracle": "self", "oracle_why": why}
+        return {**detail, **lora_oracle.verify_reference(ctx, ckpt, adapter, reference, with_lora, without, LORA_RANK)}
+    tp1, _, _ = generate(ctx, ckpt, 1, adapter)
+    detail["reference"] = tp1
+    mismatched = [i for i, (a, b) in enumerate(zip(with_lora, tp1, strict=True)) if a != b]
+    if mismatched:
+        i = mismatched[0]
+        raise CheckFailure(
+            f"At tensor_parallel_size={ctx.tp}, {ctx.architecture} with a LoRA adapter generates different tokens "
+            f"than at tensor_parallel_size=1 (prompt {i}: {with_lora[i]} vs {tp1[i]}): the adapter's A or "
+            f"B is sharded unlike its base layer. Check the output_shard / input_start of the layers this model "
+            f"changed: LoRA reads its slices from them.", {**detail, "kind": "tp_mismatch"})
     return detail

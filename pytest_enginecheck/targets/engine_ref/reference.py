@@ -13,21 +13,24 @@ architecture is held to self-consistency only, and its result says so (``oracle`
 On a disagreement, both models are run once more with a hook on every module whose name they share (engine_ref
 keeps Hugging Face's module names) and the first module whose input agrees and whose output does not is named:
 the module where the two computations part. vLLM's residual-stream convention (a decoder layer or a fused norm
-returning ``(hidden_states, residual)``) is matched by comparing the sum of the returned tensors too.
+returning ``(hidden_states, residual)``) is matched by comparing the sum of the returned tensors too. A module the
+reference names and the engine computes under another name (a LoRA target inside a packed layer: PEFT's ``q_proj``,
+columns of engine_ref's ``qkv_proj``) is compared through an ``Alias``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pytest_enginecheck.reference import Reference
 
 # Two correct float32 implementations differ only in the order of their sums: measured on the bundled zoo's tiny
-# checkpoints at most 2.6e-6 (Qwen3-MoE; 0 for the others), in log-probability at any position and token of the load
-# check's sequences (benchmarks/reference_oracle.py prints it). The tolerance is 38x that, and 3,900x below the
-# smallest largest difference of tests/plugin_zoo/zoo/planted_reference.py's bugs (a norm weight reset after
-# loading: 0.39).
+# checkpoints at most 4.3e-6 (Qwen3-MoE; 0 for the others), in log-probability at any position and token of the load
+# check's sequences, up to max_model_len (benchmarks/reference_oracle.py prints it). The tolerance is 23x that, and
+# 4,500x below the smallest largest difference of tests/plugin_zoo/zoo/planted_reference.py's bugs (GELU in place of
+# SiLU in layer 1: 0.46).
 LOGPROB_TOLERANCE = 1e-4
 MODULE_ATOL, MODULE_RTOL = 1e-4, 1e-3  # a hooked module's output, as the TP diagnosis compares them
 
@@ -40,6 +43,15 @@ class Disagreement:
     position: int
     difference: float
     largest: float  # over every position of every sequence compared
+
+
+@dataclass(frozen=True)
+class Alias:
+    """Where the engine computes a module the reference names: the first of ``modules`` its forward called (a LoRA
+    wrapper, else the layer it wraps), its output columns (start, stop) where it packs several (None: all)."""
+
+    modules: tuple[str, ...]
+    columns: tuple[int, int] | None = None
 
 
 def engine_logprobs(model: Any, tokens: list[int]) -> Any:
@@ -140,21 +152,41 @@ def _agree(ours: list[Any], theirs: list[Any]) -> bool | None:
     return any(torch.allclose(o.float(), want.float(), atol=MODULE_ATOL, rtol=MODULE_RTOL) for o in comparable)
 
 
-def first_differing_module(model: Any, ref: Any, tokens: list[int]) -> tuple[str | None, int]:
+def _ours(recorder: _Recorder, name: str, alias: Alias | None) -> tuple[list[Any], list[Any]] | None:
+    """The engine's input and output readings of the reference's module ``name`` (through ``alias``), or None where
+    the engine's forward did not call it."""
+    called = next((m for m in alias.modules if m in recorder.outputs), None) if alias is not None else \
+        name if name in recorder.outputs else None
+    if called is None:
+        return None
+    outputs = recorder.outputs[called]
+    if alias is not None and alias.columns is not None:
+        start, stop = alias.columns
+        outputs = [o[..., start:stop] for o in outputs]
+    return recorder.inputs.get(called, []), outputs
+
+
+def first_differing_module(model: Any, ref: Any, tokens: list[int], aliases: Mapping[str, Alias] | None = None
+                           ) -> tuple[str | None, int]:
     """The first module (in the order the reference's calls finish) whose input agrees with the reference's and
-    whose output does not, over one run of ``tokens``; and how many modules were compared."""
-    shared = {name for name, _ in model.named_modules()} & {name for name, _ in ref.named_modules()} - {""}
-    ours, theirs = _Recorder(model, shared), _Recorder(ref, shared)
+    whose output does not, over one run of ``tokens``; and how many modules were compared. ``aliases``: the
+    reference's modules the engine computes elsewhere (their names are the reference's)."""
+    aliases = aliases or {}
+    ref_names = {name for name, _ in ref.named_modules()} - {""}
+    shared = ({name for name, _ in model.named_modules()} | aliases.keys()) & ref_names
+    ours = _Recorder(model, shared | {module for alias in aliases.values() for module in alias.modules})
+    theirs = _Recorder(ref, shared)
     try:
         engine_logprobs(model, tokens)
         reference_logprobs(ref, tokens)
     finally:
         ours.remove()
         theirs.remove()
-    compared = [name for name in theirs.order if name in ours.outputs]
+    readings = {name: _ours(ours, name, aliases.get(name)) for name in theirs.order}
+    compared = [name for name in theirs.order if readings[name] is not None]
     for name in compared:
-        if _agree(ours.outputs[name], theirs.outputs[name]) is False and \
-                _agree(ours.inputs.get(name, []), theirs.inputs.get(name, [])):
+        inputs, outputs = readings[name] or ([], [])
+        if _agree(outputs, theirs.outputs[name]) is False and _agree(inputs, theirs.inputs.get(name, [])):
             return name, len(compared)
     return None, len(compared)
 

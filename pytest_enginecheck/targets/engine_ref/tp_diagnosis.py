@@ -1,9 +1,10 @@
 """When two runs of a model disagree: run it with a hook on every module, and say where and why they differ.
 
-The model is built and run on the same tokens twice, with a forward hook on every module (``capture``, filling a
-tp_explain.Capture): at TP=1 and on N real gloo ranks (``diagnose``: TP=N against TP=1), or at TP=1 under two
-seeds (``diagnose_seeds``: a model whose output depends on the random number generator). tp_explain compares the
-runs and names the first module that differs, and why.
+The model is built and run on the same tokens twice, with a forward hook on every module, the model itself (its
+own output, after its last submodule) and its compute_logits included (``capture``, filling a tp_explain.Capture):
+at TP=1 and on N real gloo ranks (``diagnose``: TP=N against TP=1, once a second TP=N run has reproduced the first),
+or at TP=1 under two seeds (``diagnose_seeds``: a model whose output depends on the random number generator).
+tp_explain compares the runs and names the first module that differs, and why.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_enginecheck.targets.engine_ref.tp_explain import Capture, Diagnosis, explain_seeds, explain_tp
+from pytest_enginecheck.targets.engine_ref.tp_explain import (
+    Capture,
+    Diagnosis,
+    explain_rerun,
+    explain_seeds,
+    explain_tp,
+)
 from pytest_enginecheck.tp_compare import CallKeys, first_tensor, weight_loaders
 
 
@@ -26,9 +33,46 @@ def _layout(module: Any) -> dict[str, Any] | None:
                        for sid, rows in module.output_shards.items()}}
 
 
+def _lm_head_weight(model: Any) -> tuple[Any, list[str]] | None:
+    """This rank's rows of the vocabulary in the LM head's weight (its padding rows cut off), and its weight
+    loaders; None for a model with no ``lm_head`` module holding a weight."""
+    from engine_ref.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    head = next((m for n, m in model.named_modules(remove_duplicate=False)  # a tied head is the embedding
+                 if n.rsplit(".", 1)[-1] == "lm_head"), None)
+    weight = getattr(head, "weight", None)
+    if head is None or weight is None:
+        return None
+    if isinstance(head, VocabParallelEmbedding):
+        weight = weight[:max(0, head.vocab_end_index - head.vocab_start_index)]
+    return weight.detach().clone(), weight_loaders(head)
+
+
+def _hook_logits(model: Any, result: Capture, keys: CallKeys) -> None:
+    """Record the output of ``model.compute_logits`` (what the model runner calls after the forward) like a
+    module's, under ``result.logits``; its parameters are the LM head's (``_lm_head_weight``)."""
+    key = result.logits = f"{type(model).__name__}.compute_logits"
+    result.classes[key] = "the logits"
+    head = _lm_head_weight(model)
+    if head is not None:
+        result.params[key], result.loaders[key] = {"weight": head[0]}, head[1]
+    compute_logits = model.compute_logits
+
+    def hooked(hidden_states: Any) -> Any:
+        result.input_shapes[keys.enter(key)] = tuple(hidden_states.shape)
+        logits = compute_logits(hidden_states)
+        keys.leave()
+        result.order.append(key)
+        result.outputs[key] = logits.detach().clone()
+        return logits
+
+    model.compute_logits = hooked
+
+
 def capture(rank: int, world_size: int, spec: str, ckpt: str, prompt: list[int], seed: int = 0) -> Capture:
     """Runs on each rank (a multirank child): build and load the model of target ``spec`` under ``seed`` (as a
-    worker seeds itself before load_model), run ``prompt`` once with hooks."""
+    worker seeds itself before load_model), run ``prompt`` once with hooks on every module, the model itself
+    (keyed by its class name) and its compute_logits."""
     import torch
 
     from engine_ref.engine.arg_utils import EngineArgs
@@ -49,9 +93,11 @@ def capture(rank: int, world_size: int, spec: str, ckpt: str, prompt: list[int],
     result = Capture()
     keys = CallKeys()
     for name, module in model.named_modules():
-        if not name:
-            continue
-        result.classes[name] = type(module).__name__
+        if not name:  # the model itself: its own output, after its last submodule
+            name = result.root = type(model).__name__
+            result.classes[name] = "the model's own output, after its last submodule"
+        else:
+            result.classes[name] = type(module).__name__
         layout = _layout(module)
         if layout is not None:
             result.layouts[name] = layout
@@ -80,6 +126,7 @@ def capture(rank: int, world_size: int, spec: str, ckpt: str, prompt: list[int],
 
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
+    _hook_logits(model, result, keys)
     runner = ModelRunner(model, config, torch.device("cpu"))
     torch.manual_seed(seed)
     try:
@@ -99,7 +146,11 @@ def capture_seeds(rank: int, world_size: int, spec: str, ckpt: str, prompt: list
 
 def diagnose(spec: str, ckpt: Path, tp: int, prompt: list[int], timeout: float = 120.0,
              started: bool = True) -> Diagnosis:
-    """Run ``prompt`` with hooks at TP=1 and TP=``tp`` (real ranks) and explain where they differ (``explain_tp``)."""
+    """Run ``prompt`` with hooks at TP=1 and TP=``tp`` (real ranks) and explain where they differ (``explain_tp``).
+
+    ``started`` (the engine started at TP=``tp``, and its tokens differed): TP=``tp`` is run twice first, and when
+    the two runs disagree the Diagnosis says so (``explain_rerun``, ``nondeterministic``) instead of blaming a
+    module's weights or collective for a difference that does not reproduce."""
     from pytest_enginecheck.multirank import run_multirank
 
     (one,) = run_multirank(capture, 1, spec, str(ckpt), prompt, timeout=timeout)
@@ -107,6 +158,10 @@ def diagnose(spec: str, ckpt: Path, tp: int, prompt: list[int], timeout: float =
         return Diagnosis(f"The diagnosis could not run the model with hooks at tensor_parallel_size=1 ({one.error} "
                          f"in {one.failed_in}), so it names no module.")
     ranks = run_multirank(capture, tp, spec, str(ckpt), prompt, timeout=timeout)
+    if started:
+        rerun = explain_rerun(ranks, run_multirank(capture, tp, spec, str(ckpt), prompt, timeout=timeout), tp)
+        if rerun is not None:
+            return rerun
     return explain_tp(one, ranks, tp, started)
 
 

@@ -1,17 +1,19 @@
 """When two runs of a model disagree: name the first module whose output differs, and say why.
 
-Each run is a Capture, filled by forward hooks on every module (tp_diagnosis.capture): at TP=1 and on N ranks, or
-at TP=1 under two seeds. The runs' outputs are compared in the order the modules finished (innermost first); for
-TP, each rank's outputs and weights are first put back together with the layer's own sharding (``output_shard``
-rows for column-parallel layers, ``input_start`` columns for row-parallel ones). The first TP module that differs
-is either a sharding bug (its weights do not reassemble to TP=1's) or a collective bug (they do, its output does
-not). A forward that fails at TP=N names the module it failed in and, for a linear layer, whether its input
-arrived sharded or whole, which says which parallel style it needs. A module whose outputs cannot be compared is
-named as such, never skipped.
+Each run is a Capture, filled by forward hooks on every module (tp_diagnosis.capture), the model's own output and
+its logits (compute_logits) included: at TP=1 and on N ranks, at TP=1 under two seeds, or twice at TP=N (a TP=N
+run that its own rerun does not reproduce is nondeterministic there, whatever its weights and collectives). The
+runs' outputs are compared in the order the modules finished (innermost first); for TP, each rank's outputs and
+weights are first put back together with the layer's own sharding (``output_shard`` rows for column-parallel
+layers, ``input_start`` columns for row-parallel ones). The first TP module that differs is either a sharding bug
+(its weights do not reassemble to TP=1's) or a collective bug (they do, its output does not); the logits, where
+the model's output agrees, are compute_logits' own. A forward that fails at TP=N names the module it failed in and,
+for a linear layer, whether its input arrived sharded or whole, which says which parallel style it needs. A module
+whose outputs cannot be compared is named as such, never skipped.
 
 The comparison (``compare``, ``reassemble``, ``weights_problem``, ``failed_forward``, ``explain_tp``,
-``explain_seeds``) reads only Captures (tensors, and the layers' sharding as plain data) and imports no engine:
-another target's hooks can fill Captures and reuse it.
+``explain_seeds``, ``explain_rerun``) reads only Captures (tensors, and the layers' sharding as plain data) and
+imports no engine: another target's hooks can fill Captures and reuse it.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ class Capture:
     ``layouts`` (linear layers only): ``{"column": bool`` (the output is sharded), ``"input_start": int | None``
     (a row-parallel rank's first input column), ``"shards": {shard_id: (offset in this rank's output, size,
     start in the TP=1 shard)}}``. ``params``: a module's own ``weight`` and ``bias``; ``loaders``: the weight loaders
-    of its own parameters (``tp_compare.weight_loaders``).
+    of its own parameters (``tp_compare.weight_loaders``). ``root`` and ``logits``: the keys of the model's own output
+    (after its last submodule) and of its logits, compared like every module's (None where a target has none).
     """
 
     order: list[str] = field(default_factory=list)
@@ -47,6 +50,8 @@ class Capture:
     loaders: dict[str, list[str]] = field(default_factory=dict)  # module -> "qualname (file:line)" of its loaders
     failed_in: str | None = None  # the innermost module running when the forward raised
     error: str | None = None
+    root: str | None = None
+    logits: str | None = None
 
 
 @dataclass(frozen=True)
@@ -61,10 +66,12 @@ class Comparison:
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """The sentences for the user, and the module call they name first (None when they name none)."""
+    """The sentences for the user, and the module call they name first (None when they name none);
+    ``nondeterministic``: two runs at the same TP size disagree (``explain_rerun``), so no TP size was compared."""
 
     text: str
     module: str | None = None
+    nondeterministic: bool = False
 
 
 def reassemble(full: Any, parts: list[Any], layouts: list[dict[str, Any] | None] | None, full_layout: Any,
@@ -225,6 +232,8 @@ def explain_tp(one: Capture, ranks: list[Capture], tp: int, started: bool = True
         head = (f"After it, the first module whose output differs is {c.differs} ({cls})" if lead else
                 f"The first module whose output differs between {between} is {c.differs} ({cls})")
         problem = weights_problem(c.differs, one, ranks)
+        if c.differs == one.logits and not problem:
+            return Diagnosis(lead + _logits_verdict(head, c, one, ranks), first or c.differs)
         if problem:
             name = module_name(c.differs)
             loaders = loaded_by(list(dict.fromkeys(n for r in ranks for n in r.loaders.get(name, []))))
@@ -248,9 +257,32 @@ def explain_tp(one: Capture, ranks: list[Capture], tp: int, started: bool = True
                f"without the KV cache)")
     if not started:
         return Diagnosis(f"{lead}{covered}: the start fails outside the forward of the model's modules.", first)
-    return Diagnosis(f"{lead}{covered}: the tokens diverge where it does not look (compute_logits, decoding with "
-                     f"the KV cache). Hint: check the weight_loader and the collectives of the layers this model "
-                     f"changed.", first)
+    if _compared(one.logits, one, ranks, c):
+        return Diagnosis(f"{lead}{covered}, its logits included: the tokens diverge in decoding with the KV cache, "
+                         f"after the prefill. Hint: check the KV cache writes and reads of the layers this model "
+                         f"changed.", first)
+    return Diagnosis(f"{lead}{covered}, but its logits were not compared: the tokens diverge in compute_logits or "
+                     f"in decoding with the KV cache. Hint: check the weight_loader and the collectives of the layers "
+                     f"this model changed.", first)
+
+
+def _compared(key: str | None, one: Capture, runs: list[Capture], c: Comparison) -> bool:
+    """Whether the walk ``c`` compared call ``key`` in every run (it was captured, readable and not passed over)."""
+    return (key is not None and key in one.outputs and all(key in r.outputs for r in runs)
+            and key not in {k for k, _ in c.uncomparable})
+
+
+def _logits_verdict(head: str, c: Comparison, one: Capture, ranks: list[Capture]) -> str:
+    """Why the logits differ at TP=N where every call before them agrees (and the LM head's shards reassemble,
+    where the capture holds its weight)."""
+    shards = bool(one.params.get(one.logits or ""))
+    agree = [*(["the LM head's weight shards reassemble to the TP=1 weight"] if shards else []),
+             *([f"the model's output ({one.root}) agrees"] if _compared(one.root, one, ranks, c) else [])]
+    unseen = "" if shards else " The LM head's weight was not found, so its shards were not compared."
+    return (f"{head}: {' and '.join(agree) or 'every output compared before them agrees'}, but the logits do not "
+            f"(max abs difference {c.max_abs_diff:.3g}): compute_logits computes or gathers the ranks' vocabulary "
+            f"shards wrongly (each rank's logits are the hidden states times its own LM-head rows, gathered in rank "
+            f"order).{unseen}")
 
 
 def _outcome(run: Capture) -> str:
@@ -278,8 +310,7 @@ def explain_seeds(first: Capture, second: Capture, seeds: tuple[int, int]) -> Di
                   f"{tuple(second.outputs[c.differs].shape)} under seed {b}")
     else:
         change = f"max abs difference {c.max_abs_diff:.3g}"
-    drawn = [p for p, t in first.params.get(name, {}).items()
-             if not _close(second.params.get(name, {}).get(p), t, atol=0.0, rtol=0.0)]
+    drawn = _drawn(name, first, second)
     if drawn:
         why = (f"its {' and '.join(drawn)} differ between the two builds: they are drawn from the random number "
                f"generator when it is built, not loaded from the checkpoint")
@@ -291,3 +322,42 @@ def explain_seeds(first: Capture, second: Capture, seeds: tuple[int, int]) -> Di
     head = "After it, the first module whose output changes" if lead else (
         f"The first module whose output changes between seeds {a} and {b}")
     return Diagnosis(f"{lead}{head} is {c.differs} ({cls}) ({change}): {why}.", c.differs)
+
+
+def _drawn(name: str, first: Capture, second: Capture) -> list[str]:
+    """The own parameters of module ``name`` that differ between two builds (drawn, not loaded)."""
+    return [p for p, t in first.params.get(name, {}).items()
+            if not _close(second.params.get(name, {}).get(p), t, atol=0.0, rtol=0.0)]
+
+
+def explain_rerun(first: list[Capture], second: list[Capture], tp: int) -> Diagnosis | None:
+    """None when two runs at TP=``tp`` (each a list of its ranks' Captures), built and run alike under the same
+    seed, agree exactly on every rank; else a ``nondeterministic`` Diagnosis naming the first module call whose
+    output (or build, or failure) changes between them, on the rank where it changes first."""
+    between = f"two runs at tensor_parallel_size={tp}"
+    for rank, (a, b) in enumerate(zip(first, second, strict=True)):
+        if a.error != b.error or a.failed_in != b.failed_in:
+            return Diagnosis(f"On rank {rank}, its hooked forward {_outcome(a)} in the first of {between} but "
+                             f"{_outcome(b)} in the second.", a.failed_in or b.failed_in, nondeterministic=True)
+    found = [(rank, compare(a, [b], names=[f"rank {rank} of the second run"], atol=0.0, rtol=0.0, sharded=False))
+             for rank, (a, b) in enumerate(zip(first, second, strict=True))]
+    changed = [(rank, c) for rank, c in found if c.differs is not None]
+    if not changed:
+        return None
+    rank, c = min(changed, key=lambda rc: first[rc[0]].order.index(str(rc[1].differs)))
+    key, a, b = str(c.differs), first[rank], second[rank]
+    name = module_name(key)
+    lead = _uncomparable_sentences(c, a, f"{between} (rank {rank})")
+    head = "After it, the first module whose output changes" if lead else (
+        f"The first module whose output changes between {between} of the same prompt under the same seed")
+    drawn = _drawn(name, a, b)
+    if drawn:
+        why = (f"its {' and '.join(drawn)} differ between the two builds: they are drawn from a random number "
+               f"generator no seed reaches, not loaded from the checkpoint")
+    else:
+        why = ("its weights are the same in both runs and the modules that ran before it gave the same outputs, so "
+               "its own forward changes from run to run: it draws random numbers from a generator no seed reaches "
+               "(seeded from the clock, os.urandom or a fresh torch.Generator), or reads memory it never "
+               "initialised")
+    return Diagnosis(f"{lead}{head} is {key} ({a.classes.get(name, '?')}) on rank {rank} (max abs difference "
+                     f"{c.max_abs_diff:.3g}): {why}.", c.differs, nondeterministic=True)

@@ -12,10 +12,14 @@ from typing import Any
 CACHE_VARIABLES = ("VLLM_CACHE_ROOT", "CUTLASS_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "TORCHINDUCTOR_CACHE_DIR")
 KV_CACHE_GIB = 1  # vLLM's CPU KV cache size (VLLM_CPU_KVCACHE_SPACE) for tiny checkpoints
 MAX_MODEL_LEN = 128
+# vLLM's CPU default block size is 128, MAX_MODEL_LEN: one block per sequence, so no prompt could cross a boundary.
+# 32 is the smallest its CPU attention prefers (multiples of 32); MLA models get 16 and DeepSeek-V4 256 whatever is
+# asked (platforms/cpu.py).
+BLOCK_SIZE = 32
 # vLLM's arguments of every engine start on a tiny checkpoint (and of the config objects its model is built under)
 ENGINE_ARGS: dict[str, Any] = {"skip_tokenizer_init": True, "enforce_eager": True, "dtype": "float32",
                                "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4,
-                               "max_num_batched_tokens": MAX_MODEL_LEN, "seed": 0}
+                               "max_num_batched_tokens": MAX_MODEL_LEN, "block_size": BLOCK_SIZE, "seed": 0}
 
 
 def redirect_caches(workdir: str) -> None:

@@ -1,5 +1,6 @@
 """A Llama whose LoRA shards wrongly at TP=2 while its own weights shard right, in its own registry
-(``--enginecheck-target=zoo.lora_models:REGISTRY``)."""
+(``--enginecheck-target=zoo.lora_models:REGISTRY``), beside zoo.lora_bypass's Llama that skips one adapter at every
+TP size and its clean twin."""
 
 from __future__ import annotations
 
@@ -49,3 +50,5 @@ class LoRAShardLlamaForCausalLM(LlamaForCausalLM):
 
 REGISTRY = _ModelRegistry({})
 REGISTRY.register_model("LoRAShardLlamaForCausalLM", "zoo.lora_models:LoRAShardLlamaForCausalLM")
+REGISTRY.register_model("LoRABypassLlamaForCausalLM", "zoo.lora_bypass:LoRABypassLlamaForCausalLM")
+REGISTRY.register_model("LoRABypassTwinLlamaForCausalLM", "zoo.lora_bypass:LoRABypassTwinLlamaForCausalLM")

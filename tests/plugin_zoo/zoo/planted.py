@@ -9,14 +9,15 @@ REGISTRY = _ModelRegistry({})
 REGISTRY.register_model("CleanTwinLlamaForCausalLM", "zoo.planted_clean:CleanTwinLlamaForCausalLM")
 # load (its determinism run): layer 1's MLP adds torch.randn_like noise; TP=1 and TP=2 agree, two seeds do not
 REGISTRY.register_model("RngMLPLlamaForCausalLM", "zoo.planted_rng:RngMLPLlamaForCausalLM")
-# startup: layer 1 starts a non-daemon poller thread when built; the worker cannot exit by itself at shutdown
+# load[tp=1], the first check whose engine shuts down (every later engine check folds into it): layer 1 starts a
+# non-daemon poller thread when built; the process that built it cannot exit by itself at shutdown
 REGISTRY.register_model("PollerThreadLlamaForCausalLM", "zoo.planted_thread:PollerThreadLlamaForCausalLM")
 # quant (every method, every TP size): layer 1's down_proj multiplies its weight_scale by 1.05 after loading
 REGISTRY.register_model("QuantScaleLlamaForCausalLM", "zoo.planted_quant:QuantScaleLlamaForCausalLM")
 # load[tp=2] (its diagnosis): layer 1's act_fn returns a padded layout (not comparable) and is wrong at TP=2
 REGISTRY.register_model("PaddedActLlamaForCausalLM", "zoo.planted_diag:PaddedActLlamaForCausalLM")
-# startup, beside load[tp=2]: layer 1's down_proj is sharded wrongly AND every build leaks a helper process; startup
-# fails for the leak (with a line that load[tp=2] failed too), it is not skipped
+# load[tp=1] and load[tp=2]: layer 1's down_proj is sharded wrongly AND every build leaks a helper process; load[tp=1]
+# fails for the leak, load[tp=2] for the sharding (with a line that load[tp=1] failed too), it is not skipped
 REGISTRY.register_model("ShardAndLeakLlamaForCausalLM", "zoo.planted_fold:ShardAndLeakLlamaForCausalLM")
 # load[tp=2] (beyond its tokens): layer 1's o_proj scales rank 1's shard by 1.01; every greedy token stays the same
 REGISTRY.register_model("ScaledShardLlamaForCausalLM", "zoo.planted_scaled_shard:ScaledShardLlamaForCausalLM")

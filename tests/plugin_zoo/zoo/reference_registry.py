@@ -8,3 +8,11 @@ for _name in ("CleanRefLlamaForCausalLM", "SwapLayersRefLlamaForCausalLM", "Rope
               "TiedHeadRefLlamaForCausalLM", "OverwrittenNormRefLlamaForCausalLM", "GeluRefLlamaForCausalLM",
               "ScaledEmbedLlamaForCausalLM", "ScaledEmbedWrongRefLlamaForCausalLM", "NoRefLlamaForCausalLM"):
     REGISTRY.register_model(_name, f"zoo.planted_reference:{_name}")
+for _name in ("BorrowedWeightAcctLlamaForCausalLM", "DroppedHeadAcctLlamaForCausalLM",
+              "OverwrittenNormAcctLlamaForCausalLM", "ScaledKeyAcctLlamaForCausalLM", "TiedHeadAcctLlamaForCausalLM",
+              "UnloadedBufferAcctLlamaForCausalLM", "TiedAcctLlamaForCausalLM", "DerivedParamAcctLlamaForCausalLM",
+              "DerivedBufferAcctLlamaForCausalLM"):  # zoo/planted_accounting.py (test_checkpoint_accounting.py)
+    REGISTRY.register_model(_name, f"zoo.planted_accounting:{_name}")
+for _name in ("ClampedRopeLlamaForCausalLM", "DecodeBlockLlamaForCausalLM",
+              "CleanInputsLlamaForCausalLM"):  # zoo/planted_inputs.py (test_input_coverage.py)
+    REGISTRY.register_model(_name, f"zoo.planted_inputs:{_name}")

@@ -17,6 +17,17 @@ def vocab_size(ckpt: str) -> int:
     return int(config.get("vocab_size") or min(_nested_vocab_sizes(config)))
 
 
+def special_ids(ckpt: str) -> set[int]:
+    """The token ids the checkpoint's config.json gives a role (``pytest_enginecheck.prompts.special_token_ids``:
+    image placeholders, bos, eos, pad), which no prompt holds."""
+    import json
+
+    from pytest_enginecheck.prompts import special_token_ids
+
+    with open(os.path.join(ckpt, "config.json")) as f:
+        return special_token_ids(json.load(f))
+
+
 def _nested_vocab_sizes(config: dict[str, Any]) -> list[int]:
     """The ``vocab_size`` of every dict inside ``config``, at any depth."""
     found = []

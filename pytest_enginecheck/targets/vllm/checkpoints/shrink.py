@@ -174,6 +174,9 @@ def tiny_text_config(config_cls: type, defaults: Any, more_sizes: Mapping[str, A
     more = {k: v for k, v in (more_sizes or {}).items() if _default(defaults, k) is not _MISSING}
     sizes = {k: v for k, v in {**tiny_sizes(fields), **more}.items() if not _read_only(config_cls, aliases.get(k, k))
              and (v is not None or _admits_none(config_cls, aliases.get(k, k)))}
+    if aliases.get("num_key_value_heads", "num_key_value_heads") == aliases.get("num_attention_heads"):
+        # one field under both names (Whisper's encoder_attention_heads): it counts the query heads
+        sizes.pop("num_key_value_heads", None)
     if aliases.get("head_dim") == "qk_rope_head_dim":
         # MLA whose ``head_dim`` is the rope part (GLM-4.7-Flash): vLLM's MLA backends take only the head sizes of
         # real models (kv_lora_rank + qk_rope_head_dim = 576), so the rope part keeps its default

@@ -14,11 +14,10 @@ from pytest_enginecheck.targets.vllm.env import ENGINE_ARGS
 
 def _diagnosis(ctx: CheckContext, ckpt: str, i: int, mode: str) -> str:
     """Which module of vLLM's model differs first at TP=N on prompt ``i`` (diagnosis.py); run only on a mismatch."""
-    from pytest_enginecheck.targets.vllm.checkpoints.reading import vocab_size
     from pytest_enginecheck.targets.vllm.checks.diagnosis import diagnose
-    from pytest_enginecheck.targets.vllm.engine.drive import prompts
+    from pytest_enginecheck.targets.vllm.engine.drive import checkpoint_prompts
 
-    return diagnose(ckpt, ctx.tp, prompts(vocab_size(ckpt))[i], mode, timeout=max(10.0, ctx.options.timeout * 0.4))
+    return diagnose(ckpt, ctx.tp, checkpoint_prompts(ckpt)[i], mode, timeout=max(10.0, ctx.options.timeout * 0.4))
 
 
 # How far TP=N's log-probabilities may be from TP=1's (float32 CPU). A clean model's differ only by summation order
@@ -78,10 +77,9 @@ def verify_reference(ctx: CheckContext, ckpt: str, run: EngineRun, dtype: str) -
         find_reference,
         load_reference,
     )
-    from pytest_enginecheck.targets.vllm.checkpoints.reading import vocab_size
     from pytest_enginecheck.targets.vllm.checks.reference import ORACLE_TOLERANCE, oracle_difference
     from pytest_enginecheck.targets.vllm.checks.steps import model_class, registry_entry
-    from pytest_enginecheck.targets.vllm.engine.drive import prompts
+    from pytest_enginecheck.targets.vllm.engine.drive import checkpoint_prompts
 
     try:
         found = find_reference(ctx.architecture, model_class(ctx, registry_entry(ctx)))
@@ -96,7 +94,7 @@ def verify_reference(ctx: CheckContext, ckpt: str, run: EngineRun, dtype: str) -
     try:
         model = load_reference(found, Path(ckpt))
         generated = [positions[len(prompt) - 1:] for prompt, positions in
-                     zip(prompts(vocab_size(ckpt)), run.logprobs, strict=True)]
+                     zip(checkpoint_prompts(ckpt), run.logprobs, strict=True)]
         difference, i, k, what = oracle_difference(model, ckpt, run.tokens, generated)
     except Exception as e:  # noqa: BLE001 - the reference's limit on the checker's tiny checkpoint, said so
         return {"oracle": "none", "oracle_why": f"{found.name} cannot run the tiny checkpoint: {type(e).__name__}: "

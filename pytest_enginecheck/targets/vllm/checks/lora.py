@@ -1,16 +1,19 @@
 """lora[tp=N] on vLLM: a tiny PEFT adapter through vLLM's own LoRA path (``enable_lora``, ``LoRARequest``; on CPU,
-``PunicaWrapperCPU``), against transformers + PEFT.
+``PunicaWrapperCPU``), against the architecture's reference + PEFT.
 
-The adapter is PEFT's own (``get_peft_model`` on the transformers model of the tiny checkpoint, A and B random under
-a fixed seed, ``save_pretrained``), on every linear projection of the decoder layers that transformers has as an
-``nn.Linear`` outside the MoE experts (``target_modules``; for Llama and Qwen2 attention and MLP), and vLLM wraps
-only those (``lora_target_modules``). One vLLM start per TP size generates the fixed prompts with the adapter and
-without it (``EngineWork.lora_adapter``).
+The adapter is PEFT's own (``get_peft_model`` on the transformers model that made the tiny checkpoint, A and B
+random under a fixed seed, ``save_pretrained``), on every linear projection of the decoder layers that transformers
+has as an ``nn.Linear`` outside the MoE experts (``target_modules``; for Llama and Qwen2 attention and MLP), and vLLM
+wraps only those (``lora_target_modules``). One vLLM start per TP size generates the fixed prompts with the adapter
+and without it (``EngineWork.lora_adapter``).
 
 - every TP size: the adapter changes the output (else vLLM's LoRA layers are not applied);
-- TP=1: the base model's and the adapter's greedy tokens and log-probabilities equal transformers' (+ PEFT's),
-  teacher-forced on vLLM's tokens, within ORACLE_TOLERANCE; this catches what is wrong at every TP size alike
-  (an adapter applied to the wrong projection);
+- TP=1: the base model's and the adapter's greedy tokens and log-probabilities equal the reference's (+ PEFT's
+  with the same adapter, ``pytest_enginecheck.lora_reference``), teacher-forced on vLLM's tokens, within
+  ORACLE_TOLERANCE; this catches what is wrong at every TP size alike (an adapter applied to the wrong projection).
+  The reference is ``find_reference``'s, as load[tp=1]'s: what the class declares (``enginecheck_reference``), else
+  transformers' class of the architecture's own name, never a base class's (the checkpoint's maker may be one);
+  without one the detail's ``oracle`` is ``self`` and says why;
 - TP=N: greedy tokens and log-probabilities with the adapter equal TP=1's within load's LOGPROB_TOLERANCE.
 
 Architectures whose vLLM class does not declare SupportsLoRA skip, as vLLM refuses ``enable_lora`` for them; so
@@ -70,6 +73,8 @@ def _without_progress_bar() -> Iterator[None]:
 
 
 def _transformers_model(ckpt: str, architecture: str, model_cls: type) -> Any:
+    """The transformers model that made the tiny checkpoint (``hf_class``: of the architecture's name or a base
+    class's), the adapter's maker only: its module names are the checkpoint's. Not the oracle (``find_reference``)."""
     import torch
 
     from pytest_enginecheck.targets.vllm.checkpoints.from_transformers import hf_class
@@ -153,14 +158,15 @@ def _supports_lora(model_cls: type) -> bool:
 
 def run(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
     """lora[tp=N] (see the module docstring)."""
-    from importlib.util import find_spec
+    from pytest_enginecheck.lora_reference import peft_unavailable
 
     model_cls = model_class(ctx, registry_entry(ctx))
     if not _supports_lora(model_cls):
         raise CheckSkip(f"{ctx.architecture} does not declare SupportsLoRA, so vLLM refuses enable_lora for it")
-    if find_spec("peft") is None:
-        raise CheckSkip("peft is not installed here: the lora check makes its adapter with PEFT and compares with "
-                        "transformers + PEFT (pip install peft)")
+    missing = peft_unavailable()
+    if missing:
+        raise CheckSkip(f"the lora check makes its adapter with PEFT and compares with the reference + PEFT, but "
+                        f"{missing}")
     ckpt = engine_checkpoint(ctx)
     verify_tp(ckpt, ctx.tp)
     adapter = tiny_adapter(ctx, ckpt, model_cls)
@@ -186,7 +192,7 @@ def run(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
                            f"wraps (their forward), not their weights directly.",
                            {**detail, "kind": "lora_not_applied"})
     if ctx.tp == 1:
-        return _against_transformers(ctx, ckpt, model_cls, adapter, run, detail)
+        return _against_reference(ctx, ckpt, model_cls, adapter, run, detail)
     reference = _lora_run(ctx, ckpt, 1, mode, engine_args, adapter)
     detail["reference_tokens"] = reference.lora_tokens
     mismatched = [i for i, (a, b) in enumerate(zip(run.lora_tokens, reference.lora_tokens, strict=True)) if a != b]
@@ -211,25 +217,30 @@ def run(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
     return detail
 
 
-def _against_transformers(ctx: CheckContext, ckpt: str, model_cls: type, adapter: Path, run: Any,
-                          detail: dict[str, Any]) -> dict[str, Any]:
-    """TP=1: the base model against transformers, then the adapter against transformers + PEFT."""
-    import peft
+def _against_reference(ctx: CheckContext, ckpt: str, model_cls: type, adapter: Path, run: Any,
+                       detail: dict[str, Any]) -> dict[str, Any]:
+    """TP=1: the base model against the architecture's reference (``find_reference``), then the adapter against the
+    reference + PEFT's (``lora_reference.load_peft_reference``; ``disable_adapter`` for the base)."""
+    from pytest_enginecheck.lora_reference import load_peft_reference, no_reference_why
+    from pytest_enginecheck.reference import ReferenceDeclarationError, find_reference
 
-    from pytest_enginecheck.targets.vllm.checkpoints.from_transformers import hf_class
-
-    hf = f"transformers' {hf_class(ctx.architecture, model_cls).__name__}"
-    model = _transformers_model(ckpt, ctx.architecture, model_cls)
-    base = oracle_difference(model, ckpt, run.tokens, run.logprobs)
-    with _without_progress_bar():
-        model = peft.PeftModel.from_pretrained(model, str(adapter)).eval()
+    try:
+        found = find_reference(ctx.architecture, model_cls)
+    except ReferenceDeclarationError as e:
+        raise CheckFailure(str(e), {**detail, "kind": "reference_declaration", "oracle": "reference"}) from None
+    if found is None:
+        return {**detail, "oracle": "self", "oracle_why": no_reference_why(ctx.architecture)}
+    model = load_peft_reference(found, Path(ckpt), adapter)
+    with model.disable_adapter():
+        base = oracle_difference(model, ckpt, run.tokens, run.logprobs)
     lora = oracle_difference(model, ckpt, run.lora_tokens, run.lora_logprobs)
-    detail.update(max_base_difference=base[0], max_lora_difference=lora[0], oracle_tolerance=ORACLE_TOLERANCE)
-    for (difference, i, k, what), against, kind in ((base, hf, "base_mismatch"),
-                                                    (lora, f"{hf} with PEFT's adapter", "lora_mismatch")):
+    detail.update(oracle="reference", reference=found.name, max_base_difference=base[0], max_lora_difference=lora[0],
+                  oracle_tolerance=ORACLE_TOLERANCE)
+    for (difference, i, k, what), against, kind in ((base, found.name, "base_mismatch"),
+                                                    (lora, f"{found.name} with PEFT's adapter", "lora_mismatch")):
         if difference > ORACLE_TOLERANCE:
             which = "without the adapter" if kind == "base_mismatch" else "with a LoRA adapter"
-            cause = ("vLLM's model already differs from transformers before any LoRA" if kind == "base_mismatch" else
+            cause = ("vLLM's model already differs from its reference before any LoRA" if kind == "base_mismatch" else
                      "without it they agree: vLLM applies the adapter unlike PEFT (a module's A and B on another "
                      "projection, a wrong packed slice or scaling)")
             raise CheckFailure(

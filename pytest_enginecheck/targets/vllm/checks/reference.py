@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_enginecheck.targets.vllm.checkpoints.reading import vocab_size
-from pytest_enginecheck.targets.vllm.engine.drive import prompts
+from pytest_enginecheck.targets.vllm.engine.drive import checkpoint_prompts
 
 # How far vLLM's log-probabilities (float32 CPU) may be from transformers' (+ PEFT's) on the same tiny checkpoint and
 # tokens. Different kernels sum in a different order (vLLM's CPU attention, fused RMSNorm, SiLU-and-mul, its LoRA
@@ -35,7 +34,7 @@ def oracle_difference(model: Any, ckpt: str, tokens: list[list[int]], logprobs: 
     import torch
 
     worst = (0.0, 0, 0, "log-probabilities")
-    for i, (prompt, generated, positions) in enumerate(zip(prompts(vocab_size(ckpt)), tokens, logprobs, strict=True)):
+    for i, (prompt, generated, positions) in enumerate(zip(checkpoint_prompts(ckpt), tokens, logprobs, strict=True)):
         with torch.no_grad():
             logits = model(torch.tensor([prompt + generated])).logits[0]
         reference = torch.log_softmax(logits.float(), dim=-1)[len(prompt) - 1:]  # row k predicts generated token k

@@ -1,4 +1,5 @@
-"""startup on vLLM: vLLM starts and stops at the largest TP size, and nothing is left behind.
+"""startup on vLLM: vLLM starts, generates and stops at the largest TP size; every rank exits by itself (the process
+table is the oracle: none had to be killed after the shutdown grace) and nothing is left behind.
 """
 
 from __future__ import annotations
@@ -27,8 +28,26 @@ def run_startup(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
         leaks = wait_for_no_leaks(before, ignore_regular_files=True)
     finally:
         shutil.rmtree(private, ignore_errors=True)
+    if run.killed_ranks:
+        raise _killed(ctx, tp, args["dtype"], run.killed_ranks, leaks)
     if leaks:
         raise CheckFailure(f"{ctx.architecture} started and shut down at tensor_parallel_size={tp} ({args['dtype']}), "
                            f"but left behind: "
                            f"{'; '.join(leaks)}.", {"kind": "leak", "leaks": leaks})
     return {"tensor_parallel_size": tp, "dtype": args["dtype"], "seconds": run.seconds}
+
+
+def _killed(ctx: CheckContext, tp: int, dtype: str, killed: list[dict[str, Any]], leaks: list[str]) -> CheckFailure:
+    """The failure of ranks that answered but did not exit within the shutdown grace: their stacks name what kept
+    them alive (a non-daemon thread the model started, which the interpreter's exit waits for)."""
+    from pytest_enginecheck.targets.vllm.engine.ranks import SHUTDOWN_GRACE_S
+
+    ranks = ", ".join(str(k["rank"]) for k in killed)
+    left = f" It also left behind: {'; '.join(leaks)}." if leaks else ""
+    stacks = "\n".join(f"rank {k['rank']}:\n{k['stacks'].rstrip()}" for k in killed)
+    return CheckFailure(
+        f"{ctx.architecture} started, generated and shut down at tensor_parallel_size={tp} ({dtype}), but rank "
+        f"{ranks} did not exit by itself within {SHUTDOWN_GRACE_S:g} s and was killed.{left} A rank must exit once "
+        f"vLLM shuts down: stop and join the threads the model starts (or make them daemon threads). Its Python "
+        f"stacks before the kill (a non-daemon thread of the model's is what keeps it alive):\n{stacks}",
+        {"kind": "unclean_shutdown", "killed_ranks": killed, "leaks": leaks, "grace_s": SHUTDOWN_GRACE_S})

@@ -8,18 +8,24 @@ phase and rank (``failures.classify``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytest_enginecheck.prompts import prompt_lengths, prompt_tokens
 from pytest_enginecheck.targets.vllm.checkpoints.args import checkpoint_args
-from pytest_enginecheck.targets.vllm.checkpoints.reading import vocab_size
-from pytest_enginecheck.targets.vllm.env import ENGINE_ARGS
+from pytest_enginecheck.targets.vllm.checkpoints.reading import special_ids, vocab_size
+from pytest_enginecheck.targets.vllm.env import BLOCK_SIZE, ENGINE_ARGS, MAX_MODEL_LEN
 from pytest_enginecheck.targets.vllm.failures import EngineFailure, classify
 from pytest_enginecheck.targets.vllm.probe import VllmUnavailable, engine_api, find, logprobs_api
 
 MAX_TOKENS = 6
 LOGPROBS = 20  # top-k log-probabilities per position: vLLM's default max_logprobs, so no engine argument changes
+# Which prompts of the shared design (pytest_enginecheck/prompts.py) vLLM runs: the one whose decoding opens a new KV
+# block, the one whose prefill spans two blocks, and the longest, whose last token sits at max_model_len. Three, as
+# before (the tier's tests count them). Together they exceed max_num_batched_tokens, so vLLM prefills the longest in
+# chunks, one ending inside a block.
+PROMPTS = (1, 2, 4)
 
 
 class EngineStartError(Exception):
@@ -48,11 +54,21 @@ class EngineRun:
     # the adapter; ``tokens`` and ``logprobs`` are then the base model's from the same engine.
     lora_tokens: list[list[int]] = field(default_factory=list)
     lora_logprobs: list[list[dict[str, float]]] = field(default_factory=list)
+    # The ranks that did not exit by themselves within the shutdown grace after answering and were killed: [{"rank",
+    # "stacks"}] (ranks.py), the stacks read before the kill.
+    killed_ranks: list[dict[str, Any]] = field(default_factory=list)
 
 
-def prompts(vocab_size: int) -> list[list[int]]:
-    """Three fixed prompts of different lengths inside the vocabulary."""
-    return [[(7 * i + 3) % vocab_size for i in range(n)] for n in (3, 8, 17)]
+def prompts(vocab_size: int, avoid: Collection[int] = ()) -> list[list[int]]:
+    """The fixed prompts (``PROMPTS``) for BLOCK_SIZE, MAX_MODEL_LEN and MAX_TOKENS, inside the vocabulary and
+    without the ids of ``avoid``."""
+    lengths = prompt_lengths(BLOCK_SIZE, MAX_MODEL_LEN, MAX_TOKENS)
+    return prompt_tokens([lengths[i] for i in PROMPTS], vocab_size, avoid)
+
+
+def checkpoint_prompts(ckpt: str) -> list[list[int]]:
+    """The fixed prompts in the vocabulary of ``ckpt``, without the token ids its config.json gives a role."""
+    return prompts(vocab_size(ckpt), special_ids(ckpt))
 
 
 def _logprobs(output: Any) -> list[dict[str, float]]:
@@ -119,7 +135,7 @@ def drive(ckpt: str, tp: int, mode: str, rank: int, extra: dict[str, Any], work:
         except VllmUnavailable as e:
             unavailable = str(e)
         params = api.sampling_params(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, **asked)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts(vocab_size(ckpt))], params,
+        outputs = llm.generate([{"prompt_token_ids": p} for p in checkpoint_prompts(ckpt)], params,
                                use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         logprobs = [_logprobs(o) for o in outputs] if asked else []
@@ -140,7 +156,7 @@ def drive(ckpt: str, tp: int, mode: str, rank: int, extra: dict[str, Any], work:
 
 def _generate_with_lora(llm: Any, ckpt: str, params: Any, adapter: str) -> tuple[list[list[int]], list[Any]]:
     """The fixed prompts' greedy tokens and log-probabilities with the PEFT adapter at ``adapter`` (a LoRARequest)."""
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts(vocab_size(ckpt))], params, use_tqdm=False,
+    outputs = llm.generate([{"prompt_token_ids": p} for p in checkpoint_prompts(ckpt)], params, use_tqdm=False,
                            lora_request=lora_request(adapter))
     return [list(o.outputs[0].token_ids) for o in outputs], [_logprobs(o) for o in outputs]
 

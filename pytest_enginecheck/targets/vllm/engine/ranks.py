@@ -125,13 +125,18 @@ def _timed_out(pending: list[int], procs: dict[int, WarmProcess], timeout: float
                                      f"that moment:\n{told}")
 
 
-def _close_ranks(procs: dict[int, WarmProcess], grace: Deadline) -> None:
+def _close_ranks(procs: dict[int, WarmProcess], grace: Deadline) -> list[dict[str, Any]]:
     """Give the ranks, all together, until ``grace`` to exit by themselves, then kill the rest (and what they
-    started) and reap them all."""
+    started) and reap them all. Returns the ranks that had to be killed, each with its Python stacks (every thread's)
+    read before the kill: a rank that answered and still runs waits for a non-daemon thread (``threading._shutdown``
+    at a process' exit joins them), and its stacks say which."""
     for proc in procs.values():
         proc.join(grace.remaining())
+    killed = [{"rank": rank, "stacks": proc.dump_stacks() or "(none could be read)"}
+              for rank, proc in procs.items() if proc.is_alive()]
     for proc in procs.values():
         proc.close()
+    return killed
 
 
 def _shm_entries() -> set[str]:
@@ -206,6 +211,7 @@ def _fork_ranks(ckpt: str, tp: int, deadline: Deadline, engine_args: dict[str, A
     readers: dict[int, multiprocessing.connection.Connection] = {}
     shm_before = _shm_entries()
     failed = set(range(tp))  # the ranks whose output is about a failure: all of them, until they answered
+    killed: list[dict[str, Any]] = []
     try:
         for rank in range(tp):
             reader, writer = ctx.Pipe(duplex=False)
@@ -220,7 +226,7 @@ def _fork_ranks(ckpt: str, tp: int, deadline: Deadline, engine_args: dict[str, A
         failed = {e.failure.rank}
         raise
     finally:
-        _close_ranks(procs, Deadline(SHUTDOWN_GRACE_S))
+        killed = _close_ranks(procs, Deadline(SHUTDOWN_GRACE_S))
         for reader in readers.values():
             reader.close()
         _relay_rank_logs(ipc_dir, range(len(procs)), failed)
@@ -230,4 +236,5 @@ def _fork_ranks(ckpt: str, tp: int, deadline: Deadline, engine_args: dict[str, A
     run.memory = [m for r in runs for m in r.memory]
     run.captures = [c for r in runs for c in r.captures]
     run.seconds = {k: max(r.seconds.get(k, 0.0) for r in runs) for k in run.seconds}
+    run.killed_ranks = killed
     return run
