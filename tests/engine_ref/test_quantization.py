@@ -265,6 +265,14 @@ def _colwise(tensors: list[torch.Tensor], rank: int, tp: int) -> torch.Tensor:
     return torch.cat([t.chunk(tp, dim=0)[rank] for t in tensors])
 
 
+def _qkv_rows(qkv: list[torch.Tensor], rank: int, tp: int, kv_heads: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of q, k and v: q's chunk; k's and v's chunk, or where there are fewer KV heads than ranks,
+    the one KV head this rank holds a replica of (rank * kv_heads // tp)."""
+    k, v = (t.chunk(tp, dim=0)[rank] if kv_heads % tp == 0 else t.chunk(kv_heads, dim=0)[rank * kv_heads // tp]
+            for t in qkv[1:])
+    return torch.cat([qkv[0].chunk(tp, dim=0)[rank], k, v])
+
+
 def expected_shards(checkpoint: dict[str, torch.Tensor], architecture: str, rank: int, tp: int
                     ) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s layer-0 weights and scales, cut from the checkpoint with torch.chunk (gpt-fast's way)."""
@@ -274,7 +282,8 @@ def expected_shards(checkpoint: dict[str, torch.Tensor], architecture: str, rank
         qkv = [checkpoint[f"{p}.self_attn.{x}_proj.{suffix}"] for x in "qkv"]
         o = checkpoint[f"{p}.self_attn.o_proj.{suffix}"]
         per_tensor = suffix == "weight_scale" and qkv[0].dim() == 0
-        out[f"{p}.self_attn.qkv_proj.{suffix}"] = torch.stack(qkv) if per_tensor else _colwise(qkv, rank, tp)
+        kv_heads = ModelRegistry.resolve_model_cls(architecture).example_config["num_key_value_heads"]
+        out[f"{p}.self_attn.qkv_proj.{suffix}"] = torch.stack(qkv) if per_tensor else _qkv_rows(qkv, rank, tp, kv_heads)
         out[f"{p}.self_attn.o_proj.{suffix}"] = (o.reshape(1) if per_tensor else o if suffix == "weight_scale"
                                                  else o.chunk(tp, dim=1)[rank])
         if architecture == "MixtralForCausalLM":
