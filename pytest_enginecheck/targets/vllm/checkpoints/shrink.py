@@ -65,8 +65,12 @@ def tiny_sizes(fields: Mapping[str, Any]) -> dict[str, Any]:
         sizes = {k: v for k, v in sizes.items() if k not in EXPERT_FIELDS}
     if "attention_hidden_size" in fields:
         # Zamba's shared attention runs on [hidden, embeddings] (2 * hidden_size); its __post_init__ derives the
-        # head size (``head_dim`` is an alias of it), which a tiny head_dim would contradict
+        # head size (``head_dim`` is an alias of it), which a tiny head_dim would contradict. Its published configs
+        # give it as many KV heads as query heads; with one, vLLM's Zamba2 failed in load_model ("start (0) + length
+        # (128) exceeds dimension size (64)"), a config no Zamba checkpoint has
         sizes.pop("head_dim", None)
+        if "num_attention_heads" in sizes:
+            sizes["num_key_value_heads"] = sizes["num_attention_heads"]
     if isinstance(fields.get("num_experts_per_tok"), int):
         sizes["num_experts_per_tok"] = min(fields["num_experts_per_tok"], TINY_SIZES["num_experts_per_tok"])
     if "layer_types" in fields:
