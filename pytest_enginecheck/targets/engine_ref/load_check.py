@@ -6,10 +6,13 @@ the same tokens and, in a hooked forward (tp_diagnosis.diagnose_seeds), the same
 the TP=1 reference runs under the other seed, and equal to TP=N it stands for both TP=1 runs). A
 model whose output depends on the random number generator agrees with itself at TP=2 only because every rank is
 seeded alike, so it is reported as nondeterministic (naming the first module whose output changes) instead of
-comparing TP sizes. When TP=N disagrees with TP=1 (other tokens, or a start that fails where TP=1 starts),
-tp_diagnosis names the first module whose output differs and whether its weights or its collective are wrong.
-At TP=1, every token generated with the KV cache must also be what recomputing its prefix without the cache gives
-(kv_consistency): the oracle for a bug that is the same at every TP size and in every prefill.
+comparing TP sizes. When TP=N disagrees with TP=1 (other tokens, or a start that fails where TP=1 starts), a second
+TP=N run first tells a TP-only nondeterminism from a TP bug, then tp_diagnosis names the first module whose output
+differs (the model's own output and compute_logits included) and whether its weights or its collective are wrong.
+At TP=1, three oracles that are not the model itself, on one guarded build (``tp1_model``): decoding with the KV cache
+gives the tokens and log-probabilities of recomputing without it (kv_consistency); a reference implementation
+computes the same log-probabilities (verify_reference); every parameter holds what the checkpoint holds for it
+(checkpoint_values).
 """
 
 from __future__ import annotations
@@ -181,7 +184,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     }
     if ctx.tp == 1:
         detail.update(verify_deterministic(ctx, ckpt, outputs))
-        with tp1_model(ctx, ckpt) as model:  # one guarded build for both oracles
+        with tp1_model(ctx, ckpt) as model:  # one guarded build for the KV-cache, reference and checkpoint oracles
             detail.update(verify_kv_cache(ctx, ckpt, outputs, model))
             detail.update(verify_reference(ctx, ckpt, outputs, model))
             detail.update(verify_checkpoint_values(ctx, ckpt, model))
