@@ -493,3 +493,22 @@ class EctpThreadForCausalLM(LlamaForCausalLM):
 class EctpDaemonThreadForCausalLM(EctpThreadForCausalLM):
     daemon_thread = True
 '''
+
+# Issue 31 item 1 on vLLM, the determinism run: a Llama whose final hidden states get torch.randn noise (as a dropout
+# left on would), the same at every TP size and under the engine's fixed seed, so only a second run under another
+# seed shows it.
+ENTRY_POINTS["noise"] = "ectp.noise:register"
+SOURCES["ectp/noise.py"] = '''\
+def register():
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model("EctpNoiseForCausalLM", "ectp.models.noise:EctpNoiseForCausalLM")
+'''
+SOURCES["ectp/models/noise.py"] = "import torch\n\n" + _LLAMA + '''\
+class EctpNoiseForCausalLM(LlamaForCausalLM):
+    enginecheck_reference = "LlamaForCausalLM"
+
+    def forward(self, *args, **kwargs):
+        hidden = super().forward(*args, **kwargs)
+        return hidden + 0.5 * torch.randn_like(hidden)
+'''

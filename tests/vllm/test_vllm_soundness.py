@@ -58,6 +58,7 @@ def test_load_tp1_holds_a_model_to_the_reference_it_declares(in_child: Any, tmp_
     twin = in_child(_load, str(tmp_path), "EctpRefTwinForCausalLM", 1, plugins="reference_bug")
     assert isinstance(twin, dict), twin
     assert twin["oracle"] == "reference" and twin["reference"] == "transformers' LlamaForCausalLM"
+    assert twin["deterministic_seeds"] == [0, 1] and twin["max_seed_difference"] <= 1e-4, twin
     assert twin["max_reference_difference"] < 1e-5
     llama = in_child(_load, str(tmp_path), "LlamaForCausalLM", 1, plugins="reference_bug")
     assert isinstance(llama, dict) and llama["reference"] == "transformers' LlamaForCausalLM", llama
@@ -76,6 +77,19 @@ def test_an_out_of_tree_class_declares_the_config_field_it_reads_and_its_own_ref
     undeclared = in_child(_load, str(tmp_path), "EctpUndeclaredForCausalLM", 1, plugins="declared")
     assert isinstance(undeclared, str), undeclared
     assert "ectp_logit_scale" in undeclared and "enginecheck_config" in undeclared, undeclared
+
+
+def test_load_tp1_fails_a_model_whose_output_depends_on_torchs_generators(in_child: Any, tmp_path: Any) -> None:
+    """Noise on the final hidden states, the same in every run under the engine's seed: the engine's second run after
+    reseeding torch gives other log-probabilities, so load[tp=1] fails it as nondeterministic (the clean twins of the
+    other tests record their seeds agreeing)."""
+    bug = in_child(_load, str(tmp_path), "EctpNoiseForCausalLM", 1, plugins="noise")
+    assert isinstance(bug, tuple), bug
+    message, detail = bug
+    assert message.startswith("EctpNoiseForCausalLM is nondeterministic at tensor_parallel_size=1 (float32): the "
+                              "same engine, generating the same prompts again after torch was reseeded (0, then 1), "
+                              "gives "), message
+    assert detail["kind"] == "nondeterministic" and detail["seeds"] == [0, 1]
 
 
 def _captures(tp: int, modules: dict[str, tuple[dict[str, Any], Any, list[Any]]]) -> tuple[Any, list[Any]]:

@@ -7,7 +7,7 @@ from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
 from pytest_enginecheck.targets.vllm.checks.steps import apart, engine_inputs, shared_run, verify_tp
-from pytest_enginecheck.targets.vllm.engine.drive import EngineRun
+from pytest_enginecheck.targets.vllm.engine.drive import OTHER_SEED, EngineRun
 from pytest_enginecheck.targets.vllm.engine.dtype import MLA_DTYPE
 from pytest_enginecheck.targets.vllm.env import ENGINE_ARGS
 
@@ -121,6 +121,7 @@ def run_load(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
     dtype = args["dtype"]
     detail = {"tensor_parallel_size": ctx.tp, "dtype": dtype, "tokens": run.tokens, "seconds": run.seconds,
               "start_mode": run.mode}
+    detail.update(verify_deterministic(ctx, run, dtype))
     if ctx.tp == 1:
         return {**detail, **verify_reference(ctx, ckpt, run, dtype)}
     skipped = tp_comparison_skipped(ctx.architecture, ctx.tp, dtype)
@@ -153,3 +154,30 @@ def run_load(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
             f"{i}, position {j} ({where}), above tolerance {LOGPROB_TOLERANCE:g}. {diagnosis}",
             {**detail, "kind": "tp_mismatch", "prompt": i, "position": j, "diagnosis": diagnosis})
     return detail
+
+
+def verify_deterministic(ctx: CheckContext, run: EngineRun, dtype: str) -> dict[str, Any]:
+    """Fail when the engine, generating the same prompts again after every worker reseeded torch (drive's
+    determinism run), gives other tokens, or generated tokens' log-probabilities further apart than
+    LOGPROB_TOLERANCE (the second prefill may start from vLLM's prefix cache, so not bit for bit); return the detail.
+    In float32 only: a bfloat16 model's near ties may flip on the cache's other path."""
+    seeds = [ENGINE_ARGS["seed"], OTHER_SEED]
+    if not run.tokens_other_seed or dtype != "float32":
+        return {"determinism_not_compared": "no second run" if not run.tokens_other_seed else f"{dtype} run"}
+    difference = 0.0
+    for first, again, tokens in zip(run.logprobs, run.logprobs_other_seed, run.tokens, strict=False):
+        for a, b in zip(first[-len(tokens):], again, strict=False):
+            difference = max([difference, *(abs(a[k] - b[k]) for k in a.keys() & b.keys())])
+    changed = [i for i, (a, b) in enumerate(zip(run.tokens, run.tokens_other_seed, strict=True)) if a != b]
+    if not changed and difference <= LOGPROB_TOLERANCE:
+        return {"deterministic_seeds": seeds, "max_seed_difference": difference}
+    what = (f"other greedy tokens (prompt {changed[0]}: {run.tokens[changed[0]]} vs "
+            f"{run.tokens_other_seed[changed[0]]})" if changed else
+            f"the same tokens with log-probabilities {difference:.3g} apart, above {LOGPROB_TOLERANCE:g}")
+    raise CheckFailure(
+        f"{ctx.architecture} is nondeterministic at tensor_parallel_size={ctx.tp} ({dtype}): the same engine, "
+        f"generating the same prompts again after torch was reseeded ({seeds[0]}, then {seeds[1]}), gives {what}. "
+        f"Its output must not depend on torch's random generators (dropout left in training mode, torch.randn in "
+        f"forward, a weight drawn after loading); neither the reference nor TP sizes were compared.",
+        {"kind": "nondeterministic", "seeds": seeds, "tokens": run.tokens, "tokens_other_seed": run.tokens_other_seed,
+         "max_seed_difference": difference})

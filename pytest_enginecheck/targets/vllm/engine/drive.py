@@ -57,6 +57,20 @@ class EngineRun:
     # The ranks that did not exit by themselves within the shutdown grace after answering and were killed: [{"rank",
     # "stacks"}] (ranks.py), the stacks read before the kill.
     killed_ranks: list[dict[str, Any]] = field(default_factory=list)
+    # The same prompts generated again by the same engine after every worker reseeded torch with OTHER_SEED (a start
+    # without an adapter): its tokens, and per prompt the generated tokens' log-probabilities. Empty: not run.
+    tokens_other_seed: list[list[int]] = field(default_factory=list)
+    logprobs_other_seed: list[list[dict[str, float]]] = field(default_factory=list)
+
+
+OTHER_SEED = 1  # the determinism run's seed (ENGINE_ARGS' is 0)
+
+
+def reseed(worker: Any) -> None:
+    """Run on every worker (``collective_rpc``): torch's generators reseeded with OTHER_SEED."""
+    import torch
+
+    torch.manual_seed(OTHER_SEED)
 
 
 def prompts(vocab_size: int, avoid: Collection[int] = ()) -> list[list[int]]:
@@ -140,6 +154,13 @@ def drive(ckpt: str, tp: int, mode: str, rank: int, extra: dict[str, Any], work:
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         logprobs = [_logprobs(o) for o in outputs] if asked else []
         lora_tokens, lora_logprobs = _generate_with_lora(llm, ckpt, params, adapter) if adapter else ([], [])
+        other_tokens: list[list[int]] = []
+        other_logprobs: list[list[dict[str, float]]] = []
+        if not adapter:  # the determinism run: a model whose output depends on torch's generators shows it here
+            llm.collective_rpc(reseed)
+            again = llm.generate([{"prompt_token_ids": p} for p in checkpoint_prompts(ckpt)], params, use_tqdm=False)
+            other_tokens = [list(o.outputs[0].token_ids) for o in again]
+            other_logprobs = [_logprobs(o)[-len(o.outputs[0].token_ids):] for o in again] if asked else []
         seconds["generate"] = time.perf_counter() - mark
         memory = llm.collective_rpc(rank_memory)
         captures = list(llm.collective_rpc(rpc)) if rpc is not None else []
@@ -151,7 +172,8 @@ def drive(ckpt: str, tp: int, mode: str, rank: int, extra: dict[str, Any], work:
         seconds["shutdown"] = time.perf_counter() - mark
     return EngineRun(tp, mode, tokens, memory, seconds, captures=captures, logprobs=logprobs,
                      logprobs_unavailable=unavailable, lora_tokens=lora_tokens,
-                     lora_logprobs=lora_logprobs if asked else [])
+                     lora_logprobs=lora_logprobs if asked else [], tokens_other_seed=other_tokens,
+                     logprobs_other_seed=other_logprobs)
 
 
 def _generate_with_lora(llm: Any, ckpt: str, params: Any, adapter: str) -> tuple[list[list[int]], list[Any]]:
