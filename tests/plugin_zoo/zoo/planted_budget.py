@@ -11,11 +11,10 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
-from engine_ref.config import HFConfig
 from engine_ref.model_executor.forward_context import get_attn_metadata
 from engine_ref.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from zoo.planted_redteam import Layer1MLPLayer
 
 MiB = 1 << 20
 DECODE_SCRATCH = 768 * MiB  # more than the budget check's default device (--enginecheck-budget-memory=512MiB)
@@ -36,17 +35,6 @@ def staged(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
 
 class _Layer1MLP(LlamaMLP):
     """An MLP whose ``forward`` the planted classes change; layer 1 gets it."""
-
-
-class _PlantedLayer1(LlamaDecoderLayer):
-    mlp_cls: ClassVar[type[_Layer1MLP]] = _Layer1MLP
-
-    def make_mlp(self, config: HFConfig, layer_idx: int) -> nn.Module:
-        if layer_idx != 1:
-            return super().make_mlp(config, layer_idx)
-        return self.mlp_cls(config.hidden_size, config.intermediate_size, config.get("hidden_act", "silu"),
-                            bias=config.get("mlp_bias", False), quant_config=self.quant_config,
-                            prefix=f"{self.prefix}.mlp")
 
 
 def _example(name: str) -> dict[str, Any]:
@@ -107,7 +95,7 @@ class CachedWorkspaceMLP(_Layer1MLP):
         return super().forward(staged(x, self.workspace).clone())
 
 
-class DecodeScratchDecoderLayer(_PlantedLayer1):
+class DecodeScratchDecoderLayer(Layer1MLPLayer):
     mlp_cls: ClassVar[type[_Layer1MLP]] = DecodeScratchMLP
 
 
@@ -116,7 +104,7 @@ class DecodeScratchLlamaForCausalLM(LlamaForCausalLM):
     example_config: ClassVar[dict] = _example("DecodeScratchLlamaForCausalLM")
 
 
-class LeakyForwardDecoderLayer(_PlantedLayer1):
+class LeakyForwardDecoderLayer(Layer1MLPLayer):
     mlp_cls: ClassVar[type[_Layer1MLP]] = LeakyMLP
 
 
@@ -125,7 +113,7 @@ class LeakyForwardLlamaForCausalLM(LlamaForCausalLM):
     example_config: ClassVar[dict] = _example("LeakyForwardLlamaForCausalLM")
 
 
-class FreedScratchDecoderLayer(_PlantedLayer1):
+class FreedScratchDecoderLayer(Layer1MLPLayer):
     mlp_cls: ClassVar[type[_Layer1MLP]] = FreedScratchMLP
 
 
@@ -134,7 +122,7 @@ class FreedScratchLlamaForCausalLM(LlamaForCausalLM):
     example_config: ClassVar[dict] = _example("FreedScratchLlamaForCausalLM")
 
 
-class StepScratchDecoderLayer(_PlantedLayer1):
+class StepScratchDecoderLayer(Layer1MLPLayer):
     mlp_cls: ClassVar[type[_Layer1MLP]] = StepScratchMLP
 
 
@@ -143,7 +131,7 @@ class StepScratchLlamaForCausalLM(LlamaForCausalLM):
     example_config: ClassVar[dict] = _example("StepScratchLlamaForCausalLM")
 
 
-class CachedWorkspaceDecoderLayer(_PlantedLayer1):
+class CachedWorkspaceDecoderLayer(Layer1MLPLayer):
     mlp_cls: ClassVar[type[_Layer1MLP]] = CachedWorkspaceMLP
 
 

@@ -21,12 +21,12 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from engine_ref.config import HFConfig
 from engine_ref.distributed.parallel_state import get_tp_group
 from engine_ref.model_executor.layers.quantization.base_config import QuantizationConfig
 from engine_ref.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from zoo.planted_redteam import Layer1MLPLayer
 
 
 def _example(name: str) -> dict:
@@ -38,19 +38,6 @@ def _unseeded() -> torch.Generator:
     generator = torch.Generator()
     generator.seed()
     return generator
-
-
-class _Layer1MLP(LlamaDecoderLayer):
-    """A decoder layer whose layer-1 MLP is ``mlp_cls``."""
-
-    mlp_cls: ClassVar[type[LlamaMLP]] = LlamaMLP
-
-    def make_mlp(self, config: HFConfig, layer_idx: int) -> nn.Module:
-        if layer_idx != 1:
-            return super().make_mlp(config, layer_idx)
-        return self.mlp_cls(config.hidden_size, config.intermediate_size, config.get("hidden_act", "silu"),
-                            bias=config.get("mlp_bias", False), quant_config=self.quant_config,
-                            prefix=f"{self.prefix}.mlp")
 
 
 class TpNoiseMLP(LlamaMLP):
@@ -73,11 +60,11 @@ class TpDropoutMLP(LlamaMLP):
         return out * (torch.rand(out.shape, generator=_unseeded()) >= 0.0)
 
 
-class TpNoiseDecoderLayer(_Layer1MLP):
+class TpNoiseDecoderLayer(Layer1MLPLayer):
     mlp_cls = TpNoiseMLP
 
 
-class TpDropoutDecoderLayer(_Layer1MLP):
+class TpDropoutDecoderLayer(Layer1MLPLayer):
     mlp_cls = TpDropoutMLP
 
 

@@ -29,6 +29,7 @@ from engine_ref.distributed.parallel_state import get_tp_group
 from engine_ref.model_executor.forward_context import get_attn_metadata
 from engine_ref.model_executor.layers.quantization.base_config import QuantizationConfig
 from engine_ref.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from zoo.planted_redteam import Layer1MLPLayer
 
 TAG_VARIABLE = "ZOO_LEFTOVER_TAG"
 HELPER = "import time; time.sleep(60)  # zoo leftover helper"
@@ -102,19 +103,6 @@ class StoppedThreadMLP(LlamaMLP):
         return super().forward(x)
 
 
-class _Layer1MLP(LlamaDecoderLayer):
-    """A decoder layer whose layer 1 gets ``mlp_cls`` instead of Llama's MLP."""
-
-    mlp_cls: ClassVar[type[LlamaMLP]] = LlamaMLP
-
-    def make_mlp(self, config: HFConfig, layer_idx: int) -> torch.nn.Module:
-        if layer_idx != 1:
-            return super().make_mlp(config, layer_idx)
-        return self.mlp_cls(config.hidden_size, config.intermediate_size, config.get("hidden_act", "silu"),
-                            bias=config.get("mlp_bias", False), quant_config=self.quant_config,
-                            prefix=f"{self.prefix}.mlp")
-
-
 class LayoutFileDecoderLayer(LlamaDecoderLayer):
     """Layer 1 writes its shard layout to a fixed path in /tmp when built, and leaves it there."""
 
@@ -143,19 +131,19 @@ def _example(name: str) -> dict:
     return {**LlamaForCausalLM.example_config, "architectures": [name]}
 
 
-class DecodeHelperDecoderLayer(_Layer1MLP):
+class DecodeHelperDecoderLayer(Layer1MLPLayer):
     mlp_cls = DecodeHelperMLP
 
 
-class JoinedHelperDecoderLayer(_Layer1MLP):
+class JoinedHelperDecoderLayer(Layer1MLPLayer):
     mlp_cls = JoinedHelperMLP
 
 
-class DecodeThreadDecoderLayer(_Layer1MLP):
+class DecodeThreadDecoderLayer(Layer1MLPLayer):
     mlp_cls = DecodeThreadMLP
 
 
-class StoppedThreadDecoderLayer(_Layer1MLP):
+class StoppedThreadDecoderLayer(Layer1MLPLayer):
     mlp_cls = StoppedThreadMLP
 
 

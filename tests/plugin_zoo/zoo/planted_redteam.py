@@ -34,15 +34,17 @@ def _example(name: str) -> dict:
     return {**LlamaForCausalLM.example_config, "architectures": [name]}
 
 
-class _Layer1MLP(LlamaDecoderLayer):
+class Layer1MLPLayer(LlamaDecoderLayer):
     """A decoder layer whose layer 1 gets ``mlp_cls`` instead of Llama's MLP."""
 
     mlp_cls: ClassVar[type[LlamaMLP]] = LlamaMLP
 
     def make_mlp(self, config: HFConfig, layer_idx: int) -> nn.Module:
-        cls = self.mlp_cls if layer_idx == 1 else LlamaMLP
-        return cls(config.hidden_size, config.intermediate_size, config.get("hidden_act", "silu"),
-                   bias=config.get("mlp_bias", False), quant_config=self.quant_config, prefix=f"{self.prefix}.mlp")
+        if layer_idx != 1:
+            return super().make_mlp(config, layer_idx)
+        return self.mlp_cls(config.hidden_size, config.intermediate_size, config.get("hidden_act", "silu"),
+                            bias=config.get("mlp_bias", False), quant_config=self.quant_config,
+                            prefix=f"{self.prefix}.mlp")
 
 
 # 1. load (KV cache): layer 1's attention numbers the tokens of each forward from 0, so a decode step (one token at
@@ -97,7 +99,7 @@ class HugeScratchMLP(LlamaMLP):
         return out + scratch[:1] * 0
 
 
-class HugeScratchDecoderLayer(_Layer1MLP):
+class HugeScratchDecoderLayer(Layer1MLPLayer):
     mlp_cls = HugeScratchMLP
 
 
@@ -117,7 +119,7 @@ class LazyWorkspaceMLP(LlamaMLP):
         return super().forward(x)
 
 
-class LazyWorkspaceDecoderLayer(_Layer1MLP):
+class LazyWorkspaceDecoderLayer(Layer1MLPLayer):
     mlp_cls = LazyWorkspaceMLP
 
 
@@ -142,7 +144,7 @@ class TwiceReducedMLP(LlamaMLP):
                                                        quant_config=quant_config, prefix=f"{prefix}.down_proj")
 
 
-class TwiceReducedDecoderLayer(_Layer1MLP):
+class TwiceReducedDecoderLayer(Layer1MLPLayer):
     mlp_cls = TwiceReducedMLP
 
 
@@ -171,7 +173,7 @@ class HangingMLP(LlamaMLP):
                                                   quant_config=quant_config, prefix=f"{prefix}.down_proj")
 
 
-class HangingDecoderLayer(_Layer1MLP):
+class HangingDecoderLayer(Layer1MLPLayer):
     mlp_cls = HangingMLP
 
 
@@ -212,7 +214,7 @@ class FirstForwardThreadMLP(LlamaMLP):
         return super().forward(x)
 
 
-class FirstForwardThreadDecoderLayer(_Layer1MLP):
+class FirstForwardThreadDecoderLayer(Layer1MLPLayer):
     mlp_cls = FirstForwardThreadMLP
 
 
@@ -267,7 +269,7 @@ class Rank1NoiseMLP(LlamaMLP):
         return out
 
 
-class Rank1NoiseDecoderLayer(_Layer1MLP):
+class Rank1NoiseDecoderLayer(Layer1MLPLayer):
     mlp_cls = Rank1NoiseMLP
 
 

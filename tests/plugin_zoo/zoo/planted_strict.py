@@ -9,27 +9,16 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-from torch import nn
 
 from engine_ref.config import HFConfig
 from engine_ref.distributed.parallel_state import get_tp_group
 from engine_ref.model_executor.layers.quantization.base_config import QuantizationConfig
 from engine_ref.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from zoo.planted_redteam import Layer1MLPLayer
 
 
 def _example(name: str) -> dict:
     return {**LlamaForCausalLM.example_config, "architectures": [name]}
-
-
-class _Layer1MLP(LlamaDecoderLayer):
-    """A decoder layer whose layer 1 gets ``mlp_cls`` instead of Llama's MLP."""
-
-    mlp_cls: ClassVar[type[LlamaMLP]] = LlamaMLP
-
-    def make_mlp(self, config: HFConfig, layer_idx: int) -> nn.Module:
-        cls = self.mlp_cls if layer_idx == 1 else LlamaMLP
-        return cls(config.hidden_size, config.intermediate_size, config.get("hidden_act", "silu"),
-                   bias=config.get("mlp_bias", False), quant_config=self.quant_config, prefix=f"{self.prefix}.mlp")
 
 
 # 1. load[tp=1], load[tp=2], startup: layer 1's MLP asks torch.cuda.is_available() in every forward (to pick a fused
@@ -40,7 +29,7 @@ class QueryForwardMLP(LlamaMLP):
         return super().forward(x)
 
 
-class QueryForwardDecoderLayer(_Layer1MLP):
+class QueryForwardDecoderLayer(Layer1MLPLayer):
     mlp_cls = QueryForwardMLP
 
 
@@ -61,7 +50,7 @@ class DotCudaForwardMLP(LlamaMLP):
         return super().forward(x)
 
 
-class DotCudaForwardDecoderLayer(_Layer1MLP):
+class DotCudaForwardDecoderLayer(Layer1MLPLayer):
     mlp_cls = DotCudaForwardMLP
 
 
@@ -126,7 +115,7 @@ class DeviceFromParametersMLP(LlamaMLP):
         return super().forward(x)
 
 
-class DeviceFromParametersDecoderLayer(_Layer1MLP):
+class DeviceFromParametersDecoderLayer(Layer1MLPLayer):
     mlp_cls = DeviceFromParametersMLP
 
     def __init__(self, config: HFConfig, layer_idx: int, quant_config: QuantizationConfig | None = None,
