@@ -15,6 +15,11 @@ in the caller's code, and the chain of modules being imported at that moment.
 A module the warm parent preloaded is never imported again in a check child, so a strict guard there
 could not see the queries its import made: the warm parent records them (``remember_preload_queries``),
 and a strict guard blames each on whatever imports a module of its import chain.
+
+A guard given ``blames`` guards one party's code among others that run in the same process (a model inside an
+engine's rank, where the engine's own platform code asks about CUDA as it may): an access is recorded and refused
+only where ``blames`` says its caller (the innermost frame outside torch and this module) is that party's; any other
+runs the original function, as if no guard were on.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import importlib.util
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from types import FrameType
 from typing import Any
@@ -111,6 +117,15 @@ def _guess_api(code: str | None) -> str:
             if match:
                 return name or match.group(1)
     return "a CUDA tensor operation"
+
+
+def caller(frame: FrameType | None) -> FrameType | None:
+    """The innermost frame from ``frame`` outwards that is not torch's, this module's or the import machinery's: the
+    code that made the access (what ``locate`` names)."""
+    torch_dir = _torch_dir()
+    while frame is not None and _is_internal(frame.f_code.co_filename, torch_dir):
+        frame = frame.f_back
+    return frame
 
 
 def locate(api: str | None, kind: str, frame: FrameType | None) -> CudaAccess:
@@ -221,11 +236,18 @@ class CudaGuard:
     own imports are not the model's (vLLM's import queries CUDA through triton, and vLLM sets
     ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` itself, so in its processes those queries run no cuInit). Use as a
     context manager; it restores torch exactly on exit.
+
+    ``blames``: given, only an access whose caller (``caller``: the innermost frame outside torch and this module)
+    it returns True for is recorded and refused, a strict query included (raised at once: the guarded party stops
+    at its first access); every other access runs the original, as without a guard. The preload's queries are not
+    blamed then (the party's imports are not what it guards).
     """
 
-    def __init__(self, strict: bool = False, engine_packages: tuple[str, ...] = ()) -> None:
+    def __init__(self, strict: bool = False, engine_packages: tuple[str, ...] = (),
+                 blames: Callable[[FrameType], bool] | None = None) -> None:
         self.strict = strict
         self.engine_packages = engine_packages
+        self.blames = blames
         self.accesses: list[CudaAccess] = []
         self._saved: list[tuple[Any, str, Any]] = []
 
@@ -238,10 +260,20 @@ class CudaGuard:
         self.accesses.append(access)
         return access
 
-    def _blocked(self, api: str | None) -> Any:
+    def _spared(self, frame: FrameType | None) -> bool:
+        """Whether an access from ``frame`` (the replaced function's caller) runs the original: ``blames`` is
+        given and does not blame its caller."""
+        if self.blames is None:
+            return False
+        found = caller(frame)
+        return found is None or not self.blames(found)
+
+    def _blocked(self, api: str | None, original: Any) -> Any:
         guard = self
 
         def blocked(*args: Any, **kwargs: Any) -> Any:
+            if guard._spared(sys._getframe(1)):
+                return original(*args, **kwargs)
             raise CudaAccessError(guard._record(api, "init", sys._getframe(1)))
 
         return blocked
@@ -250,6 +282,10 @@ class CudaGuard:
         guard = self
 
         def queried(*args: Any, **kwargs: Any) -> Any:
+            if guard.blames is not None:
+                if guard._spared(sys._getframe(1)):
+                    return original(*args, **kwargs)
+                raise CudaAccessError(guard._record(f"torch.cuda.{name}", "query", sys._getframe(1)))
             access = locate(f"torch.cuda.{name}", "query", sys._getframe(1))
             if not any(module.partition(".")[0] in guard.engine_packages for module in access.chain):
                 guard.accesses.append(access)
@@ -283,13 +319,16 @@ class CudaGuard:
     def _blocked_class(self, name: str, original: type) -> type:
         guard = self
         api = f"torch.cuda.{name}"
+        # constructing a device is harmless; entering it selects one
+        method = "__enter__" if name == "device" else "__new__"
+        unguarded = getattr(original, method)
 
         def refuse(*args: Any, **kwargs: Any) -> Any:
+            if guard._spared(sys._getframe(1)):
+                return unguarded(*args, **kwargs)
             raise CudaAccessError(guard._record(api, "init", sys._getframe(1)))
 
-        if name == "device":  # constructing it is harmless; entering it selects a device
-            return type(name, (original,), {"__enter__": refuse, "__module__": original.__module__})
-        return type(name, (original,), {"__new__": refuse, "__module__": original.__module__})
+        return type(name, (original,), {method: refuse, "__module__": original.__module__})
 
     def _set(self, owner: Any, name: str, value: Any) -> None:
         self._saved.append((owner, name, getattr(owner, name)))
@@ -309,11 +348,12 @@ class CudaGuard:
         import torch.cuda
 
         cuda = torch.cuda
-        replacements: dict[str, tuple[Any, Any]] = {"_lazy_init": (cuda._lazy_init, self._blocked(None))}
+        replacements: dict[str, tuple[Any, Any]] = {"_lazy_init": (cuda._lazy_init,
+                                                                    self._blocked(None, cuda._lazy_init))}
         for name in _EARLY_FAILING_FUNCTIONS:
             original = getattr(cuda, name, None)
             if original is not None:
-                replacements[name] = (original, self._blocked(f"torch.cuda.{name}"))
+                replacements[name] = (original, self._blocked(f"torch.cuda.{name}", original))
         for name in _EARLY_FAILING_CLASSES:
             original = getattr(cuda, name, None)
             if isinstance(original, type):
@@ -322,10 +362,10 @@ class CudaGuard:
             for name in _QUERY_FUNCTIONS:
                 original = getattr(cuda, name)
                 replacements[name] = (original, self._queried(name, original))
-            if _preload_queries:
+            if _preload_queries and self.blames is None:
                 self._set(builtins, "__import__", self._importing(builtins.__import__))
         self._replace_everywhere(replacements)
-        self._set(torch.Tensor, "pin_memory", self._blocked("torch.Tensor.pin_memory"))
+        self._set(torch.Tensor, "pin_memory", self._blocked("torch.Tensor.pin_memory", torch.Tensor.pin_memory))
         return self
 
     def __exit__(self, *exc: object) -> None:

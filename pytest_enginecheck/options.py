@@ -48,8 +48,9 @@ HELP = {
     "budget_max_model_len": f"the max_model_len of the budget check's tiny engine, the length one request must fit "
                             f"(default: {BUDGET_MAX_MODEL_LEN})",
     "strict": ("also fail an import that calls torch.cuda.is_available()/device_count() (cuInit on GPU hosts); on "
-               "engine_ref, also an engine whose ranks touch or query CUDA while they build or run the model "
-               "(ENGINE_REF_CUDA_GUARD=strict in every rank)"),
+               "engine_ref and vLLM's CPU engine, also an engine whose ranks touch or query CUDA while they build or "
+               "run the model (engine_ref: ENGINE_REF_CUDA_GUARD=strict in every rank; vLLM: the guard in every "
+               "rank, failing only the model's own code)"),
     "device_memory": "predict the fit of each architecture's full-size config on a device of this size, e.g. 80GiB",
     "quant": f"comma-separated quantization methods for the quant check, one item per method and TP size, e.g. "
              f"quant[fp8,tp=2]: fp8, fbgemm_fp8, int8 (engine_ref); int8 (W8A8), w4a16 (vLLM) (default: "

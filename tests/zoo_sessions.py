@@ -59,7 +59,7 @@ REFERENCE = ("--enginecheck-target=zoo.reference_registry:REGISTRY", "--enginech
 # --enginecheck-strict in every rank over zoo.strict_registry, its planted CUDA accesses and clean twin; and without
 # it, where the queries pass (test_strict_ranks).
 STRICT_RANKS = ("--enginecheck-target=zoo.strict_registry:REGISTRY", "--enginecheck-strict", "--enginecheck-tp=1,2",
-                "--enginecheck-checks=load,startup")
+                "--enginecheck-checks=load,budget,startup")
 LENIENT_RANKS = ("--enginecheck-target=zoo.strict_registry:REGISTRY", "--enginecheck-tp=1,2",
                  "--enginecheck-checks=load,startup", "-k", "not Clean")
 

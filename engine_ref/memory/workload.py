@@ -81,8 +81,9 @@ class StepMemoryTracker:
             return torch.cuda.memory_allocated(self.device) - self._base
         return self._tracker.current_bytes
 
-    def step(self, phase: str, fn: Callable[[], T]) -> T:
-        """Run one step of ``phase`` (one of PHASES) and record its peak."""
+    def step(self, phase: str, fn: Callable[[], T], count: bool = True) -> T:
+        """Run one step of ``phase`` (one of PHASES) and record its peak; ``count=False``: a part of the step that
+        ran last (an engine that samples in a call of its own), measured but not counted again."""
         if phase not in PHASES:
             raise ValueError(f"unknown step phase {phase!r}; use one of {', '.join(PHASES)}")
         held = self.held()
@@ -99,7 +100,7 @@ class StepMemoryTracker:
         peak = self.peaks.setdefault(phase, PhasePeak())
         if held + activations > peak.total:
             peak.activations, peak.held = activations, held
-        peak.steps += 1
+        peak.steps += count
         return result
 
     def report(self) -> WorkloadMemory:

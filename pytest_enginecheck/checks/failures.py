@@ -27,6 +27,28 @@ def cuda_failure(what: str, access: CudaAccess, module: str) -> CheckFailure:
                         {**access.to_dict(), "kind": "cuda", "access": access.kind})
 
 
+RANK_CUDA_KINDS = ("cuda_build", "cuda_forward")
+
+
+def rank_cuda_failure(ctx: CheckContext, access: CudaAccess, stage: str, rank: int, world_size: int, phase: str,
+                      guard: str, hint: str) -> CheckFailure:
+    """A guard verdict from an engine's rank: its model touched or queried CUDA (``access``) while it was built
+    (``stage="build"``) or in a forward (``"forward"``), on rank ``rank`` of ``world_size``, in the engine's ``phase``,
+    under ``guard`` (what turned the guard on); kind ``cuda_build`` or ``cuda_forward``. Raise it outside the
+    ``except`` that caught the engine's error: its cause (checks.causes) is then its kind, the same whichever rank,
+    TP size or executor reported it, so the checks that repeat it fold into the first."""
+    verb = "queries CUDA" if access.kind == "query" else "touches CUDA"
+    if stage == "build":
+        lead = f"imports cleanly but {verb} while it is built and loaded"
+    else:
+        lead = f"builds cleanly but {verb} in its forward"
+    return CheckFailure(
+        f"{ctx.architecture} {lead}: it {access.describe()}\nThat was rank {rank} of {world_size}, in {phase}, under "
+        f"{guard}.\n{hint}",
+        {**access.to_dict(), "kind": f"cuda_{stage}", "access": access.kind, "rank": rank, "world_size": world_size,
+         "phase": phase})
+
+
 def driver_failure(module: str) -> CheckFailure:
     """The CUDA driver got loaded while ``module`` imported, by a path the guard does not see (native code)."""
     access = CudaAccess("cuInit", "driver", chain=[module])

@@ -254,3 +254,45 @@ def test_torch_is_restored_when_the_body_raises(state_before: dict[tuple[str, st
         torch.cuda.current_device()
     after = torch_state()
     assert [k for k, v in state_before.items() if after[k] is not v] == []
+
+
+def _the_models_code() -> Any:
+    return torch.cuda._lazy_init()
+
+
+def _the_engines_code() -> Any:
+    return torch.cuda._lazy_init()
+
+
+def _the_models_query() -> bool:
+    return bool(torch.cuda.is_available())
+
+
+def _the_engines_query() -> bool:
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.usefixtures("nvml_queries")
+def test_a_guard_with_blames_refuses_only_the_blamed_callers_access_and_lets_the_others_through(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's code in an engine's rank (``blames``): its touch and its query are recorded and refused, the
+    engine's run torch's own functions as if no guard were on (here a stand-in for _lazy_init: no CUDA call reaches
+    the real torch), and the preload's import hook stays off."""
+    import builtins
+
+    reached: list[str] = []
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: reached.append("torch's _lazy_init"))
+    models = {_the_models_code.__code__, _the_models_query.__code__}
+    before_import, answer = builtins.__import__, torch.cuda.is_available()
+    with CudaGuard(strict=True, blames=lambda frame: frame.f_code in models) as guard:
+        assert builtins.__import__ is before_import
+        _the_engines_code()
+        assert _the_engines_query() == answer
+        with pytest.raises(CudaAccessError):
+            _the_models_code()
+        with pytest.raises(CudaAccessError):
+            _the_models_query()
+    assert reached == ["torch's _lazy_init"]
+    assert [(a.api, a.kind, a.line) for a in guard.accesses] == [
+        ("torch.cuda._lazy_init", "init", _the_models_code.__code__.co_firstlineno + 1),
+        ("torch.cuda.is_available", "query", _the_models_query.__code__.co_firstlineno + 1)]

@@ -34,7 +34,8 @@ FAILS: dict[str, tuple[str, str, str, str, str, str]] = {
     DECODE: ("load[tp=1]", "cuda_forward", "torch.cuda.is_available", "query", "execute_model",
              "PLANTED: query in a decode step"),
 }
-ITEMS = ("load[tp=1]", "load[tp=2]", "startup")
+ITEMS = ("load[tp=1]", "load[tp=2]", "budget[tp=1]", "budget[tp=2]", "startup")
+LENIENT_ITEMS = ("load[tp=1]", "load[tp=2]", "startup")  # LENIENT_RANKS' checks
 
 
 def planted_line(marker: str) -> int:
@@ -74,21 +75,26 @@ def test_each_planted_access_fails_the_first_check_that_meets_it_naming_rank_fil
 
 
 def test_the_checks_that_meet_it_again_fold_into_it_each_in_its_own_ranks(strict_session: ZooSession) -> None:
-    """Every other item of a planted model failed for the same cause and so reads as a skip naming the first;
+    """Every other item of a planted model failed for the same cause and so reads as a skip naming the first (the
+    budget check's requests too: the decode-step query meets its workload);
     each met the access in its own engine's ranks: the forwards at TP=2 in WorkerProc rank 0 (the lowest rank that
     failed a call), the build at TP=2 in rank 1, where it is planted."""
     results = strict_session.results
     for arch, (first, kind, _, _, phase, marker) in FAILS.items():
         for item in ITEMS[ITEMS.index(first) + 1:]:
+            if (arch, item) == (QUERY_BUILD, "budget[tp=1]"):
+                continue  # TP=1 never asks
             result = results[(arch, item)]
             detail = result["detail"]
             assert (result["outcome"], detail["kind"], detail["cause"]) == ("skipped", "dependency", kind), \
                 (arch, item, result["message"])
             assert detail["root"] == f"enginecheck::{arch}::{first}"
             rank = 1 if arch == QUERY_BUILD else 0
-            assert f"That was rank {rank} of 2, in {phase}," in detail["failure"], (arch, item)
+            world_size = int(item[-2]) if "tp=" in item else 2  # startup runs at the largest TP size
+            assert f"That was rank {rank} of {world_size}, in {phase}," in detail["failure"], (arch, item)
             assert f"zoo/planted_strict.py:{planted_line(marker)} (`" in detail["failure"]
     assert results[(QUERY_BUILD, "load[tp=1]")]["outcome"] == "passed"  # TP=1 never asks
+    assert results[(QUERY_BUILD, "budget[tp=1]")]["outcome"] == "passed"
 
 
 def test_the_clean_twin_passes_every_check_under_strict(strict_session: ZooSession) -> None:
@@ -101,8 +107,8 @@ def test_without_strict_the_queries_pass_and_dot_cuda_is_whatever_the_cpu_torch_
         lenient_session: ZooSession) -> None:
     results = lenient_session.results
     for arch in (QUERY_FORWARD, QUERY_BUILD, DECODE):
-        assert {item: results[(arch, item)]["outcome"] for item in ITEMS} == dict.fromkeys(ITEMS, "passed"), \
-            (arch, lenient_session.stdout)
+        assert {item: results[(arch, item)]["outcome"] for item in LENIENT_ITEMS} == \
+            dict.fromkeys(LENIENT_ITEMS, "passed"), (arch, lenient_session.stdout)
     dot_cuda = results[(DOT_CUDA, "load[tp=1]")]
     assert dot_cuda["outcome"] == "failed"
     assert dot_cuda["detail"]["kind"] not in ("cuda_build", "cuda_forward")

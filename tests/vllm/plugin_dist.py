@@ -512,3 +512,133 @@ class EctpNoiseForCausalLM(LlamaForCausalLM):
         hidden = super().forward(*args, **kwargs)
         return hidden + 0.5 * torch.randn_like(hidden)
 '''
+
+# Issue 32 item 1 on vLLM, budget over real work: a Llama that allocates a 256 MiB scratch in decode steps only (a step
+# of at most max_num_seqs tokens; the profile run is one step of max_num_batched_tokens) and keeps it until the next,
+# and one that keeps 4 MiB of every forward (a per-request leak). Their clean twin is EctpWorkspaceForCausalLM, whose
+# workspace every step allocates and frees, the profile run's too.
+ENTRY_POINTS["serving"] = "ectp.serving:register"
+SOURCES["ectp/serving.py"] = '''\
+def register():
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model("EctpDecodeScratchForCausalLM", "ectp.models.serving:EctpDecodeScratchForCausalLM")
+    ModelRegistry.register_model("EctpRequestLeakForCausalLM", "ectp.models.serving:EctpRequestLeakForCausalLM")
+'''
+SOURCES["ectp/models/serving.py"] = "import torch\n\n" + _LLAMA + '''\
+class EctpDecodeScratchForCausalLM(LlamaForCausalLM):
+    def forward(self, *args, **kwargs):
+        hidden = super().forward(*args, **kwargs)
+        if hidden.shape[0] <= 4:  # a decode step: one token per running request
+            self.ectp_scratch = torch.empty(64 * 2**20)  # 256 MiB, kept until the next decode step
+        return hidden
+
+
+class EctpRequestLeakForCausalLM(LlamaForCausalLM):
+    def forward(self, *args, **kwargs):
+        hidden = super().forward(*args, **kwargs)
+        self.__dict__.setdefault("ectp_kept", []).append(torch.empty(2**20))  # 4 MiB per forward, never freed
+        return hidden
+'''
+
+# Issue 32 item 3 on vLLM, the strict CUDA guard in every rank (--enginecheck-strict): a Llama whose layer 1 asks
+# torch.cuda.is_available() in its forward (every step; on CPU it answers False, so nothing but the guard sees it), one
+# whose layer 1 counts the GPUs while it is built, only at tensor_parallel_size > 1 (load[tp=1] builds it clean), and
+# their clean twin, whose layer 1 takes its device from its own parameters in both places and asks vLLM's platform.
+ENTRY_POINTS["strict_cuda"] = "ectp.strict_cuda:register"
+SOURCES["ectp/strict_cuda.py"] = '''\
+def register():
+    from vllm import ModelRegistry
+
+    for name in ("EctpForwardProbeForCausalLM", "EctpTpBuildProbeForCausalLM", "EctpDeviceTwinForCausalLM"):
+        ModelRegistry.register_model(name, f"ectp.models.strict_cuda:{name}")
+'''
+SOURCES["ectp/models/strict_cuda.py"] = "import torch\n" + _LLAMA + '''\
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.models.llama import LlamaDecoderLayer
+from vllm.platforms import current_platform
+
+
+class _ForwardProbeLayer(LlamaDecoderLayer):
+    def __init__(self, vllm_config, prefix="", **kwargs):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        self.ectp_layer1 = prefix.endswith(".layers.1")
+
+    def forward(self, positions, hidden_states, residual):
+        if self.ectp_layer1 and torch.cuda.is_available():  # the bug under test: asks torch.cuda in forward
+            hidden_states = hidden_states.cuda()
+        return super().forward(positions, hidden_states, residual)
+
+
+class _TpBuildProbeLayer(LlamaDecoderLayer):
+    def __init__(self, vllm_config, prefix="", **kwargs):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        if prefix.endswith(".layers.1") and get_tensor_model_parallel_world_size() > 1:
+            self.ectp_gpus = torch.cuda.device_count()  # the bug under test: counts the GPUs while built, at TP>1
+
+
+class _DeviceTwinLayer(LlamaDecoderLayer):
+    def __init__(self, vllm_config, prefix="", **kwargs):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        self.ectp_layer1 = prefix.endswith(".layers.1")
+        if self.ectp_layer1 and get_tensor_model_parallel_world_size() > 1:
+            self.ectp_device = self.mlp.down_proj.weight.device  # the device from its parameters, not torch.cuda
+            self.ectp_fused = current_platform.is_cuda()  # vLLM's own platform answers
+
+    def forward(self, positions, hidden_states, residual):
+        if self.ectp_layer1 and self.mlp.down_proj.weight.device.type == "cuda":
+            hidden_states = hidden_states.to(self.mlp.down_proj.weight.device)
+        return super().forward(positions, hidden_states, residual)
+
+
+class EctpForwardProbeForCausalLM(LlamaForCausalLM):
+    def __init__(self, *, vllm_config, prefix=""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=_ForwardProbeLayer)
+
+
+class EctpTpBuildProbeForCausalLM(LlamaForCausalLM):
+    def __init__(self, *, vllm_config, prefix=""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=_TpBuildProbeLayer)
+
+
+class EctpDeviceTwinForCausalLM(LlamaForCausalLM):
+    def __init__(self, *, vllm_config, prefix=""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=_DeviceTwinLayer)
+'''
+
+# Issue 32 item 2 on vLLM, leftovers after every engine: a Llama that writes a file at a fixed path in the system temp
+# dir while it is built, one that starts a helper process in a session of its own at its first decode step (so the
+# rank's process group does not take it along), and the twin that keeps an anonymous temporary file open (gone with
+# the rank).
+ENTRY_POINTS["leftovers"] = "ectp.leftovers:register"
+SOURCES["ectp/leftovers.py"] = '''\
+def register():
+    from vllm import ModelRegistry
+
+    for name in ("EctpTempPathForCausalLM", "EctpHelperProcessForCausalLM", "EctpTempFileTwinForCausalLM"):
+        ModelRegistry.register_model(name, f"ectp.models.leftovers:{name}")
+'''
+SOURCES["ectp/models/leftovers.py"] = "import subprocess\nimport tempfile\n\n" + _LLAMA + '''\
+FIXED_PATH = "/tmp/ectp-fixed-path-stats.json"
+
+
+class EctpTempPathForCausalLM(LlamaForCausalLM):
+    def __init__(self, *, vllm_config, prefix=""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        with open(FIXED_PATH, "w") as f:
+            f.write("{}")
+
+
+class EctpHelperProcessForCausalLM(LlamaForCausalLM):
+    def forward(self, *args, **kwargs):
+        hidden = super().forward(*args, **kwargs)
+        if hidden.shape[0] <= 4 and not hasattr(self, "ectp_helper"):  # the first decode step
+            self.ectp_helper = subprocess.Popen(["sleep", "613"], start_new_session=True)
+        return hidden
+
+
+class EctpTempFileTwinForCausalLM(LlamaForCausalLM):
+    def __init__(self, *, vllm_config, prefix=""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.ectp_scratch_file = tempfile.TemporaryFile()  # no name: gone with the rank
+'''

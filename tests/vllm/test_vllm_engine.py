@@ -63,7 +63,7 @@ def _check(name: str, workdir: str, architecture: str, tp: int = 1, budget: str 
 
     from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
 
-    os.environ["VLLM_PLUGINS"] = "clean,bad_shard,hungry,workspace,workspace_view,threads"
+    os.environ["VLLM_PLUGINS"] = "clean,bad_shard,hungry,workspace,workspace_view,threads,serving,leftovers"
     try:
         return CHECK_FUNCTIONS[name](_ctx(workdir, architecture, name, tp, budget, tp_sizes))
     except CheckFailure as e:
@@ -92,10 +92,13 @@ def test_budget_says_what_a_rank_needs(in_child: Any, tmp_path: Any, architectur
         assert isinstance(result, dict), result
         (rank,) = result["memory_per_rank"]
         assert rank["weights"] > 0 and rank["activation_peak"] > 0 and rank["needs"] < 16 * 2**20
+        (served,) = result["workload_per_rank"]  # the workload ran: both phases, nothing held more in round two
+        assert served["peaks"]["prefill"]["steps"] > 0 and served["peaks"]["decode"]["steps"] > 0, served
+        assert result["held_per_round"][0] == result["held_per_round"][1], result["held_per_round"]
         return
     assert isinstance(result, str), result
-    assert result.startswith(f"{architecture} at tensor_parallel_size=1 (float32): rank 0 needs 32.")
-    assert "buffers 32.03 MiB" in result and "but the budget is 16MiB" in result
+    assert result.startswith(f"{architecture} at tensor_parallel_size=1 (float32): rank 0 needs 3"), result
+    assert "buffers 32.0" in result and "but the budget is 16MiB" in result  # its 32 MiB table and the rotary cache
 
 
 @pytest.mark.parametrize("architecture, fits", [("EctpWorkspaceForCausalLM", True),
@@ -113,6 +116,28 @@ def test_budget_counts_a_workspace_a_view_keeps_alive(in_child: Any, tmp_path: A
     assert isinstance(result, str), result
     assert result.startswith(f"{architecture} at tensor_parallel_size=1 (float32): rank 0 needs 24.")
     assert "activations 24." in result and "but the budget is 16MiB" in result
+
+
+@pytest.mark.parametrize("architecture, kind", [("EctpDecodeScratchForCausalLM", "workload"),
+                                                ("EctpRequestLeakForCausalLM", "per_request_leak")])
+def test_budget_measures_the_steps_of_real_requests(in_child: Any, tmp_path: Any, architecture: str,
+                                                    kind: str) -> None:
+    """The workload after the checks' generation: a 256 MiB scratch kept in decode steps only (which the profile run
+    never runs) fails though it fits the 512 MiB budget, and 4 MiB kept per forward fails as a per-request leak,
+    each naming rank, phase and size. Their clean twins are test_budget_counts_a_workspace_a_view_keeps_alive's
+    EctpWorkspaceForCausalLM (a workspace every step frees) and test_budget_says_what_a_rank_needs's clean Llama."""
+    result = in_child(_check, "budget", str(tmp_path), architecture, 1, "512MiB")
+    assert isinstance(result, str), result
+    where = f"{architecture} at tensor_parallel_size=1 (float32)"
+    if kind == "workload":
+        assert result.startswith(f"{where} fits the budget at startup but not while serving requests: rank 0 needs "
+                                 f"256."), result
+        assert "in decode steps (activations 256.00 MiB" in result and "vLLM reserves for activations" in result
+        return
+    assert result.startswith(f"{where} keeps memory from one request to the next: rank 0 holds "), result
+    held = float(result.split("rank 0 holds ")[1].split(" MiB")[0])
+    # round two: one prefill (the prefix cache holds the prompts but their last tokens) and MAX_TOKENS - 1 decode steps
+    assert held == 4 * 6 and "(4.00 MiB per step over its 6 steps)" in result, result
 
 
 def test_startup_tp2_leaves_nothing_behind(in_child: Any, tmp_path: Any) -> None:
@@ -135,3 +160,33 @@ def test_startup_fails_a_rank_a_non_daemon_thread_kept_alive_naming_it(in_child:
     assert result.startswith(f"{architecture} started, generated and shut down at tensor_parallel_size=1 (float32), "
                              f"but rank 0 did not exit by itself within 10 s and was killed."), result
     assert "ectp_wait_forever" in result, result  # the thread's function, in the stacks read before the kill
+
+
+@pytest.mark.parametrize("architecture, left", [
+    ("EctpTempPathForCausalLM", "entries ['ectp-fixed-path-stats.json'] in /tmp"),
+    ("EctpHelperProcessForCausalLM", "sleep 613"), ("EctpTempFileTwinForCausalLM", "")])
+def test_every_engine_check_fails_on_what_its_engine_left(in_child: Any, tmp_path: Any, architecture: str,
+                                                           left: str) -> None:
+    """load (not only startup) fails a model whose engine left a file at a fixed path in /tmp (found by its maker's
+    pid, not by a listing another process could have changed) or a helper process in a session of its own (found as
+    an orphan re-parented to the check's process, then killed); the twin's anonymous temporary file is not one."""
+    import os
+    import subprocess
+
+    fixed = "/tmp/ectp-fixed-path-stats.json"
+    if os.path.exists(fixed):
+        os.unlink(fixed)
+    try:
+        result = in_child(_check, "load", str(tmp_path), architecture, 1, "512MiB", (1,))
+    finally:
+        if os.path.exists(fixed):
+            os.unlink(fixed)
+    if not left:
+        assert isinstance(result, dict), result
+        return
+    assert isinstance(result, str), result
+    assert result.startswith(f"{architecture} started, generated and shut down at tensor_parallel_size=1 (float32), "
+                             f"but left behind: "), result
+    assert left in result, result
+    running = subprocess.run(["pgrep", "-f", "sleep 613"], capture_output=True, text=True).stdout.split()
+    assert not running, f"the helper process was left running: {running}"

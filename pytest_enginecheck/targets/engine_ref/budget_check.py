@@ -23,6 +23,7 @@ from typing import Any
 
 from pytest_enginecheck.budget import budget_violations, describe_shortfall, per_request_leaks, workload_violations
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
+from pytest_enginecheck.targets.engine_ref import cuda_ranks
 from pytest_enginecheck.targets.engine_ref.registry import engine_ref_registry
 from pytest_enginecheck.targets.engine_ref.tiny_engine import start_engine, tiny_checkpoint, verify_tp
 from pytest_enginecheck.targets.engine_ref.workload import WorkloadRounds, run_workload
@@ -64,8 +65,11 @@ def _serve(ctx: CheckContext, llm: Any) -> WorkloadRounds | None:
     try:
         return run_workload(llm)
     except EngineRefError as e:
-        raise CheckFailure(f"{ctx.architecture} at tensor_parallel_size={ctx.tp} started, then failed while serving "
-                           f"the budget check's requests: {e}", {"kind": type(e).__name__}) from None
+        found = cuda_ranks.guard_error(e)
+        if found is None:
+            raise CheckFailure(f"{ctx.architecture} at tensor_parallel_size={ctx.tp} started, then failed while "
+                               f"serving the budget check's requests: {e}", {"kind": type(e).__name__}) from None
+    raise cuda_ranks.cuda_failure(ctx, found)  # outside the except: its cause is its kind (cuda_ranks.cuda_failure)
 
 
 def _check_workload(ctx: CheckContext, report: Any, served: WorkloadRounds, budget: int,

@@ -19,11 +19,12 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure
+from pytest_enginecheck.checks.failures import RANK_CUDA_KINDS, rank_cuda_failure
 
 if TYPE_CHECKING:
     from engine_ref.worker.cuda_guard import CudaGuardError
 
-KINDS = ("cuda_build", "cuda_forward")
+KINDS = RANK_CUDA_KINDS
 BUILD_HINT = ("Take the device from the engine (the device of the layer's parameters or of its input) instead of "
               "asking torch.cuda while the model is built, or run with PYTORCH_NVML_BASED_CUDA_CHECK=1 so a query "
               "uses NVML instead of cuInit.")
@@ -71,16 +72,9 @@ def cuda_failure(ctx: CheckContext, error: CudaGuardError) -> CheckFailure:
     from pytest_enginecheck.guard import CudaAccess
 
     access = CudaAccess(error.api, error.access, error.file, error.line, error.code)
-    verb = "queries CUDA" if error.access == "query" else "touches CUDA"
-    if error.stage == "build":
-        lead, hint = f"imports cleanly but {verb} while it is built and loaded", BUILD_HINT
-    else:
-        lead, hint = f"builds cleanly but {verb} in its forward", FORWARD_HINT
-    return CheckFailure(
-        f"{ctx.architecture} {lead}: it {access.describe()}\nThat was rank {error.rank} of {error.world_size}, in "
-        f"{error.phase}, under ENGINE_REF_CUDA_GUARD=strict (set by --enginecheck-strict).\n{hint}",
-        {**access.to_dict(), "kind": f"cuda_{error.stage}", "access": error.access, "rank": error.rank,
-         "world_size": error.world_size, "phase": error.phase})
+    return rank_cuda_failure(ctx, access, error.stage, error.rank, error.world_size, error.phase,
+                             "ENGINE_REF_CUDA_GUARD=strict (set by --enginecheck-strict)",
+                             BUILD_HINT if error.stage == "build" else FORWARD_HINT)
 
 
 def generate(ctx: CheckContext, llm: Any, *args: Any, **kwargs: Any) -> list[list[int]]:

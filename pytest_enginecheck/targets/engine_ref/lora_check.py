@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
-from pytest_enginecheck.targets.engine_ref import lora_oracle
+from pytest_enginecheck.targets.engine_ref import cuda_ranks, lora_oracle
 from pytest_enginecheck.targets.engine_ref.registry import engine_ref_registry
 from pytest_enginecheck.targets.engine_ref.tiny_engine import (
     MAX_TOKENS,
@@ -63,9 +63,9 @@ def generate(ctx: CheckContext, ckpt: Path, tp: int, adapter: Path) -> tuple[lis
     with start_engine(ctx, ckpt, tp, enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=LORA_RANK) as llm:
         batch = checkpoint_prompts(ckpt)
         try:
-            with_lora = llm.generate(batch, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                     lora_request=LoRARequest("enginecheck", 1, str(adapter)))
-            without = llm.generate(batch, max_tokens=MAX_TOKENS, ignore_eos=True)
+            with_lora = cuda_ranks.generate(ctx, llm, batch, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                            lora_request=LoRARequest("enginecheck", 1, str(adapter)))
+            without = cuda_ranks.generate(ctx, llm, batch, max_tokens=MAX_TOKENS, ignore_eos=True)
         except EngineRefError as e:
             raise CheckFailure(f"{ctx.architecture} at tensor_parallel_size={tp} failed to generate with a LoRA "
                                f"adapter: {e}", {"kind": type(e).__name__}) from None

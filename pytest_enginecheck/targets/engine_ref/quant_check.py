@@ -38,6 +38,7 @@ from typing import Any
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
 from pytest_enginecheck.prompts import short_prompts
+from pytest_enginecheck.targets.engine_ref import cuda_ranks
 from pytest_enginecheck.targets.engine_ref.registry import engine_ref_registry
 from pytest_enginecheck.targets.engine_ref.tiny_engine import (
     DEVICE_MEMORY,
@@ -109,7 +110,7 @@ def run_engine(ctx: CheckContext, ckpt: Path, tp: int, quantization: str | None 
         # of the long prompts' tokens, which the sanity bound (first order) does not allow for: the tiny Mixtral's
         # logits error is 0.019 on these and 0.064 on the load check's, over a bound of 0.048.
         batch = short_prompts(llm.engine.config.model_config.hf_text_config.vocab_size)
-        tokens = llm.generate(batch, max_tokens=MAX_TOKENS, ignore_eos=True)
+        tokens = cuda_ranks.generate(ctx, llm, batch, max_tokens=MAX_TOKENS, ignore_eos=True)
         logits = llm.engine.executor.collective_rpc(prompt_logits, args=(batch,))[0]
         weights = llm.engine.executor.collective_rpc(matmul_weights, args=(weight_names,))
         return EngineRun(tokens, logits, weights, llm.startup_report)

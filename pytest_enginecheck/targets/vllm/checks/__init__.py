@@ -16,6 +16,7 @@ from pytest_enginecheck.checks import CheckContext, CheckSkip
 from pytest_enginecheck.targets.vllm.checks.budget import run_budget
 from pytest_enginecheck.targets.vllm.checks.import_check import run_import
 from pytest_enginecheck.targets.vllm.checks.inspect_check import run_inspect
+from pytest_enginecheck.targets.vllm.checks.leftovers import reported_after
 from pytest_enginecheck.targets.vllm.checks.load import run_load
 from pytest_enginecheck.targets.vllm.checks.lora import run as run_lora
 from pytest_enginecheck.targets.vllm.checks.quant import run as run_quant
@@ -50,6 +51,7 @@ def _version() -> str:
 
 CHECK_FUNCTIONS: dict[str, Callable[[CheckContext], dict[str, Any]]] = {
     name: skips_unavailable(check) for name, check in
-    {"import": run_import, "inspect": run_inspect, "load": run_load, "budget": run_budget,
-     "startup": run_startup, "lora": run_lora, "quant": run_quant}.items()
+    {"import": run_import, "inspect": run_inspect, **{name: reported_after(check) for name, check in {
+        "load": run_load, "budget": run_budget, "startup": run_startup, "lora": run_lora, "quant": run_quant}.items()}
+     }.items()
 }

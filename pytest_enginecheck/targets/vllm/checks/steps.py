@@ -11,11 +11,13 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
-from pytest_enginecheck.checks.failures import cuda_failure, import_failure, missing_class
+from pytest_enginecheck.checks.failures import cuda_failure, import_failure, missing_class, rank_cuda_failure
 from pytest_enginecheck.targets.vllm.checkpoints.declared import ConfigDeclarationError
 from pytest_enginecheck.targets.vllm.checkpoints.shrink import NoTinyCheckpoint
 from pytest_enginecheck.targets.vllm.checkpoints.tiny import is_tiny_checkpoint, tiny_checkpoint
+from pytest_enginecheck.targets.vllm.checks import leftovers
 from pytest_enginecheck.targets.vllm.describe import registry
+from pytest_enginecheck.targets.vllm.engine import cuda_ranks
 from pytest_enginecheck.targets.vllm.engine.drive import EngineRun, EngineStartError, EngineWork
 from pytest_enginecheck.targets.vllm.engine.dtype import engine_dtype
 from pytest_enginecheck.targets.vllm.engine.run import run_engine
@@ -109,19 +111,36 @@ def dtype_args(ctx: CheckContext, ckpt: str) -> dict[str, Any]:
 
 def start(ctx: CheckContext, ckpt: str, tp: int, mode: str, engine_args: dict[str, Any] | None = None,
           work: EngineWork | None = None) -> EngineRun:
-    """``start_or_spawn``, its EngineStartError the check's verdict: a CheckSkip naming the checker's limit on its
-    own tiny checkpoint (``limits.checker_limit``), else a CheckFailure naming phase and rank."""
+    """``start_or_spawn`` under the leftover watch (``leftovers.watched``: what it left goes into the run, and into the
+    check's verdict), its EngineStartError the check's verdict: a CheckSkip naming the checker's limit on its own tiny
+    checkpoint (``limits.checker_limit``), else a CheckFailure naming phase and rank."""
     dtype = str((engine_args or {}).get("dtype", ENGINE_ARGS["dtype"]))
+    # --enginecheck-strict: every warm rank runs the model's code under the CUDA guard (engine.cuda_ranks)
+    guarded_module = (ctx.module or apart(ctx, _registered_module)) if ctx.options.strict else ""
     try:
-        return start_or_spawn(ctx, ckpt, tp, mode, engine_args, work)
+        with leftovers.watched() as left, cuda_ranks.guarded_ranks(guarded_module):
+            run = start_or_spawn(ctx, ckpt, tp, mode, engine_args, work)
+        run.leftovers, run.dtype = left, dtype
+        return leftovers.used(run)
     except EngineStartError as e:
-        limit = checker_limit(e.failure) if is_tiny_checkpoint(ckpt, ctx.workdir) else None
-        if limit:  # a limit of the checker's own tiny checkpoint on vLLM's CPU backend (limits.py), not the model's
-            raise CheckSkip(f"vLLM's engine cannot run the checker's tiny checkpoint of {ctx.architecture} at "
-                            f"tensor_parallel_size={tp} ({dtype}) in phase {e.failure.phase}: {limit}") from None
-        raise CheckFailure(e.failure.describe(ctx.architecture, tp, dtype),
-                           {"kind": "engine", "phase": e.failure.phase, "rank": e.failure.rank, "dtype": dtype,
-                            "traceback": e.failure.traceback}) from None
+        guarded = e.failure if isinstance(e.failure, cuda_ranks.RankCudaFailure) else None
+        if guarded is None:
+            limit = checker_limit(e.failure) if is_tiny_checkpoint(ckpt, ctx.workdir) else None
+            if limit:  # a limit of the checker's tiny checkpoint on vLLM's CPU backend (limits.py), not the model's
+                raise CheckSkip(f"vLLM's engine cannot run the checker's tiny checkpoint of {ctx.architecture} at "
+                                f"tensor_parallel_size={tp} ({dtype}) in phase {e.failure.phase}: {limit}") from None
+            raise CheckFailure(e.failure.describe(ctx.architecture, tp, dtype),
+                               {"kind": "engine", "phase": e.failure.phase, "rank": e.failure.rank, "dtype": dtype,
+                                "traceback": e.failure.traceback}) from None
+    # A rank's model touched or queried CUDA: raised outside the except, so its cause is its kind (checks.failures)
+    hint = cuda_ranks.BUILD_HINT if guarded.stage == "build" else cuda_ranks.FORWARD_HINT
+    raise rank_cuda_failure(ctx, guarded.cuda_access, guarded.stage, guarded.rank, guarded.world_size,
+                            f"vLLM's {guarded.phase}", cuda_ranks.GUARD, hint)
+
+
+def _registered_module(ctx: CheckContext) -> str:
+    """The module vLLM's registry names for the architecture (plugins loaded in a fork: ``apart``)."""
+    return registry_entry(ctx).module
 
 
 def start_or_spawn(ctx: CheckContext, ckpt: str, tp: int, mode: str, engine_args: dict[str, Any] | None,
@@ -153,7 +172,7 @@ def shared_run(ctx: CheckContext, ckpt: str, tp: int, mode: str, engine_args: di
     path = os.path.join(ctx.workdir, "vllm-runs", f"{ctx.architecture}-tp{tp}-{mode}{'-' + kind if kind else ''}.json")
     if os.path.exists(path):
         with open(path) as f:
-            return EngineRun(**json.load(f))
+            return leftovers.used(EngineRun(**json.load(f)))
     run = start(ctx, ckpt, tp, mode, engine_args, work)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:

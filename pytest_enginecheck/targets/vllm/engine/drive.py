@@ -61,6 +61,13 @@ class EngineRun:
     # without an adapter): its tokens, and per prompt the generated tokens' log-probabilities. Empty: not run.
     tokens_other_seed: list[list[int]] = field(default_factory=list)
     logprobs_other_seed: list[list[dict[str, float]]] = field(default_factory=list)
+    # The budget check's workload (workload.py; a start without an adapter): per round, each rank's step memory
+    # ({"rank", "peaks", "held", "steps"}: engine_ref's WorkloadMemory as a dict). Empty: not run.
+    workload: list[list[dict[str, Any]]] = field(default_factory=list)
+    # What the start left behind once its ranks had exited (checks/leftovers.py: processes, descriptors, sockets,
+    # shared memory, entries in /tmp or the working directory), as plain sentences.
+    leftovers: list[str] = field(default_factory=list)
+    dtype: str = ""  # the engine's dtype, as the check that started it asked (ENGINE_ARGS' unless it said)
 
 
 OTHER_SEED = 1  # the determinism run's seed (ENGINE_ARGS' is 0)
@@ -124,6 +131,7 @@ def drive(ckpt: str, tp: int, mode: str, rank: int, extra: dict[str, Any], work:
     """Start vLLM's LLM in this process with ``extra`` arguments, generate and measure (or run ``work``'s hooked
     prefill), shut down."""
     from pytest_enginecheck.targets.vllm.engine.memory import rank_memory
+    from pytest_enginecheck.targets.vllm.engine.workload import run_workload
 
     api = engine_api()
     adapter, rpc = work.lora_adapter, work.worker_rpc
@@ -164,6 +172,7 @@ def drive(ckpt: str, tp: int, mode: str, rank: int, extra: dict[str, Any], work:
         seconds["generate"] = time.perf_counter() - mark
         memory = llm.collective_rpc(rank_memory)
         captures = list(llm.collective_rpc(rpc)) if rpc is not None else []
+        workload = [] if adapter else run_workload(llm, checkpoint_prompts(ckpt), MAX_TOKENS)
     except Exception as e:  # noqa: BLE001
         raise EngineStartError(classify(e, rank), str(e)) from None
     finally:
@@ -173,7 +182,7 @@ def drive(ckpt: str, tp: int, mode: str, rank: int, extra: dict[str, Any], work:
     return EngineRun(tp, mode, tokens, memory, seconds, captures=captures, logprobs=logprobs,
                      logprobs_unavailable=unavailable, lora_tokens=lora_tokens,
                      lora_logprobs=lora_logprobs if asked else [], tokens_other_seed=other_tokens,
-                     logprobs_other_seed=other_logprobs)
+                     logprobs_other_seed=other_logprobs, workload=workload)
 
 
 def _generate_with_lora(llm: Any, ckpt: str, params: Any, adapter: str) -> tuple[list[list[int]], list[Any]]:

@@ -48,7 +48,8 @@ def _storage_bytes(tensors: Any) -> int:
     return sum(seen.values())
 
 
-def _flat(value: Any) -> list[Any]:
+def flat_tensors(value: Any) -> list[Any]:
+    """The tensors in ``value``: a tensor, or dicts, lists and tuples of them (vLLM's ``kv_caches``)."""
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -56,7 +57,7 @@ def _flat(value: Any) -> list[Any]:
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _flat(v)]
+        return [t for v in value for t in flat_tensors(v)]
     return []
 
 
@@ -70,6 +71,12 @@ def activation_peak(fn: Any, existing: Any = ()) -> int:
     return tracker.peak_bytes
 
 
+def existing_storages(runner: Any) -> list[Any]:
+    """What a step of ``runner`` (vLLM's model runner) does not create: the model's parameters and buffers, the KV
+    cache."""
+    return [*runner.model.parameters(), *runner.model.buffers(), *flat_tensors(runner.kv_caches)]
+
+
 def _bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -80,8 +87,8 @@ def rank_memory(worker: Any) -> dict[str, Any]:
     model = meta_model(worker.vllm_config)
     spec = worker.get_kv_cache_spec()
     one_request = sum(s.max_memory_usage_bytes(worker.vllm_config) for s in spec.values())
-    kv_caches = _flat(runner.kv_caches)
-    peak = activation_peak(runner.profile_run, [*runner.model.parameters(), *runner.model.buffers(), *kv_caches])
+    kv_caches = flat_tensors(runner.kv_caches)
+    peak = activation_peak(runner.profile_run, existing_storages(runner))
     return RankMemory(rank=worker.rank, weights=_bytes(model.parameters()),
                       buffers=_bytes(model.buffers()), activation_peak=peak,
                       kv_cache_allocated=_storage_bytes(kv_caches), kv_one_request=one_request).to_dict()

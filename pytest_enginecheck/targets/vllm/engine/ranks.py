@@ -41,21 +41,30 @@ FAILURE_GRACE_S = 2.0  # after a rank failed: how long the others may take to fa
 
 def _rank_main(ckpt: str, tp: int, rank: int, port: int, ipc_dir: str,
                conn: multiprocessing.connection.Connection, engine_args: dict[str, Any], work: EngineWork) -> None:
+    """One rank: vLLM's engine driven in this fork (``drive``), under --enginecheck-strict with the model's code
+    under the CUDA guard (``cuda_ranks``, whose finding outranks whatever vLLM made of the guard's refusal); its
+    outcome sent to ``_gather``."""
     import cloudpickle
 
+    from pytest_enginecheck.targets.vllm.engine.cuda_ranks import rank_guard
     from pytest_enginecheck.targets.vllm.engine.ranklog import capture_output
 
     capture_output(_rank_log(ipc_dir, rank))  # _fork_ranks passes on what of it is about the outcome
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_RPC_BASE_PATH=ipc_dir)
+    guard = rank_guard(rank, tp)  # None without --enginecheck-strict
     try:
         extra = {"distributed_executor_backend": "external_launcher"} if tp > 1 else {}
         extra.update(engine_args)
-        outcome: tuple = ("ok", drive(ckpt, tp, "warm", rank, extra, work))
+        with guard or contextlib.nullcontext():
+            outcome: tuple = ("ok", drive(ckpt, tp, "warm", rank, extra, work))
     except EngineStartError as e:
         outcome = ("error", e.failure, str(e))
     except BaseException as e:  # noqa: BLE001 - anything else of this rank
         outcome = ("error", classify(e, rank), str(e))
+    found = guard.failure() if guard is not None else None
+    if found is not None:
+        outcome = ("error", found, found.exception)
     conn.send_bytes(cloudpickle.dumps(outcome))
     conn.close()
 
@@ -235,6 +244,7 @@ def _fork_ranks(ckpt: str, tp: int, deadline: Deadline, engine_args: dict[str, A
     run = runs[0]
     run.memory = [m for r in runs for m in r.memory]
     run.captures = [c for r in runs for c in r.captures]
+    run.workload = [[m for r in runs for m in r.workload[i]] for i in range(len(run.workload))]
     run.seconds = {k: max(r.seconds.get(k, 0.0) for r in runs) for k in run.seconds}
     run.killed_ranks = killed
     return run
