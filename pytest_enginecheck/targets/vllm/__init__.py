@@ -30,6 +30,7 @@ from pytest_enginecheck.targets import (
     TargetError,
     TargetOption,
 )
+from pytest_enginecheck.targets.vllm.fit.full_size import FULL_SIZE_CONFIGS
 
 if TYPE_CHECKING:
     from pytest_enginecheck.settings import Settings
@@ -53,7 +54,7 @@ class VllmTarget(RegistryTarget):
 
     name = "vllm"
     label = "vLLM"
-    options = (INSPECT,)
+    options = (INSPECT, FULL_SIZE_CONFIGS)  # FULL_SIZE_CONFIGS: budget[tp=N]'s full-size fit (fit/full_size.py)
     plugin_group = PluginGroup("vllm.general_plugins", "VLLM_PLUGINS")
     engine_packages = ENGINE_PACKAGES
     quiet = True  # vLLM's log lines: shown only when describing fails

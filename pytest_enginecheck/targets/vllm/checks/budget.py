@@ -12,6 +12,9 @@ prompts as one batch, twice, every rank measuring its prefill and decode steps. 
   cache is allocated at startup and written in place, so it is not that); at TP > 1 beyond one collective's tensor,
   which gloo may free a moment late (the detail's ``leak_tolerance``). Judged before the peaks: what grows names the
   bug better than the peak it causes.
+
+With --enginecheck-device-memory, the full-size model (a published config.json given for the architecture) must fit
+that GPU too, as vLLM's own classes and KV-cache sizing predict it (``checks/full_size.py``, ``fit/``).
 """
 
 from __future__ import annotations
@@ -56,6 +59,10 @@ def run_budget(ctx: CheckContext, mode: str = "warm") -> dict[str, Any]:
             f"{format_bytes(m['activation_peak'])}, KV {format_bytes(m['kv_one_request'])} for one request of "
             f"max_model_len, buffers {format_bytes(m['buffers'])}) but the budget is {budget}" for m in over),
             {**detail, "kind": "budget"})
+    if ctx.options.device_memory:  # --enginecheck-device-memory: the full-size model fits that GPU too
+        from pytest_enginecheck.targets.vllm.checks.full_size import full_size_fit
+
+        detail["full_size"] = full_size_fit(ctx)
     if not run.workload:
         return {**detail, "workload": "not run"}
     tolerance = _late_release_bytes(ckpt, ctx.tp, args["dtype"])
