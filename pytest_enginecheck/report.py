@@ -93,9 +93,7 @@ def summary_table(results: list[dict[str, Any]], mode: str = "all", others: Mapp
     rest = ", ".join(f"{n} {outcome}" for outcome, n in (others or {}).items() if n)
     prose.append(f"{line}; other tests: {rest}" if rest else line)
     prose.extend(skip_lines(results))
-    oracles = oracle_line(results)
-    if oracles:
-        prose.append(oracles)
+    prose.extend(oracle_lines(results))
     unknown = cache_unknown(results)
     if any(isinstance(r["detail"].get("cache"), dict) for r in results):
         prose.append(cache_line(cache_totals(results), unknown))
@@ -173,6 +171,15 @@ ORACLE_ITEM = "load[tp=1]"  # the item whose detail says what the model's output
 ORACLE_WORDS = {"reference": "against a reference implementation (transformers' class of its name, or as named)",
                 "self": "self-consistency only (two seeds, KV cache against recomputing, TP sizes)",
                 "none": "compared with nothing (built, loaded and generated)"}
+LORA_ORACLE_ITEM = "lora[tp=1]"  # its detail says what the output with and without an adapter was compared with
+# The items whose detail records ``oracle``, each with the words of its kinds, in the summary's order.
+ORACLE_ITEMS: dict[str, dict[str, str]] = {
+    ORACLE_ITEM: ORACLE_WORDS,
+    LORA_ORACLE_ITEM: {"reference": "against a reference implementation with PEFT's adapter (transformers' class "
+                                    "of its name, or as named)",
+                       "self": "self-consistency only (with and without the adapter, TP sizes)",
+                       "none": "compared with nothing (built, loaded and generated)"},
+}
 NAMED = 4  # architectures named per oracle kind before "and N more"
 
 
@@ -201,21 +208,27 @@ def _named(names: list[str]) -> str:
     return ", ".join(names[:NAMED]) + more
 
 
-def oracle_line(results: list[dict[str, Any]]) -> str | None:
-    """What load[tp=1] held each architecture's output to (its detail's ``oracle``): a reference implementation
-    (named), self-consistency only, or nothing; None where no result says."""
+def oracle_lines(results: list[dict[str, Any]]) -> list[str]:
+    """What each item of ORACLE_ITEMS held each architecture's output to (its detail's ``oracle``), a line per item
+    that recorded one: a reference implementation (named), self-consistency only, or nothing."""
+    return [line for item, words in ORACLE_ITEMS.items() if (line := oracle_line(results, item, words))]
+
+
+def oracle_line(results: list[dict[str, Any]], item: str = ORACLE_ITEM,
+                words: Mapping[str, str] = ORACLE_WORDS) -> str | None:
+    """What ``item`` held each architecture's output to (its detail's ``oracle``), in ``words`` by kind: a reference
+    implementation (named), self-consistency only, or nothing; None where no result of ``item`` says."""
     by_kind: dict[str, list[str]] = {}
     for r in sorted(results, key=lambda r: r["arch"]):
-        kind = r["detail"].get("oracle") if r["check"] == ORACLE_ITEM else None
-        if kind in ORACLE_WORDS:
+        kind = r["detail"].get("oracle") if r["check"] == item else None
+        if isinstance(kind, str) and kind in words:
             reference = r["detail"].get("reference")
-            own = reference in (None, f"transformers' {r['arch']}")  # its own name's: said once, in ORACLE_WORDS
+            own = reference in (None, f"transformers' {r['arch']}")  # its own name's: said once, in the words
             by_kind.setdefault(kind, []).append(r["arch"] if own else f"{r['arch']} ({reference})")
     if not by_kind:
         return None
-    parts = [f"{len(names)} {ORACLE_WORDS[kind]}: {_named(names)}" for kind in ORACLE_WORDS
-             if (names := by_kind.get(kind))]
-    return f"{ORACLE_ITEM} oracle: " + "; ".join(parts)
+    parts = [f"{len(names)} {words[kind]}: {_named(names)}" for kind in words if (names := by_kind.get(kind))]
+    return f"{item} oracle: " + "; ".join(parts)
 
 
 def cache_unknown(results: list[dict[str, Any]]) -> list[str]:

@@ -541,6 +541,101 @@ class EctpRequestLeakForCausalLM(LlamaForCausalLM):
         return hidden
 '''
 
+# Issue 31 item 4 on vLLM, tiny configs that keep what real configs of the family have: a bug for each variant that the
+# old, uniform tiny config (heads * head_dim == hidden_size, no rope scaling, no sliding window) built the same as the
+# correct code. EctpDerivedScaleForCausalLM: layer 1's attention scales its scores by (hidden_size // heads) ** -0.5,
+# the head size of a config without head_dim, not the config's head_dim. EctpUnscaledRopeForCausalLM: layer 1's rotary
+# embedding is built from rope_theta alone, the config's llama3 scaling dropped. Both declare transformers' Llama their
+# reference; EctpRefTwinForCausalLM (reference_bug) is their clean twin. EctpNoWindowGemma2ForCausalLM: a Gemma 2
+# whose attention ignores the config's sliding window (every layer built as full attention; the tiny Gemma 2's
+# sliding-window layer is layer 0, as in every Gemma pattern), beside its clean twin EctpGemma2TwinForCausalLM; both
+# declare transformers' Gemma2ForCausalLM their reference.
+ENTRY_POINTS["config_bugs"] = "ectp.config_bugs:register"
+SOURCES["ectp/config_bugs.py"] = '''\
+def register():
+    from vllm import ModelRegistry
+
+    for name in ("EctpDerivedScaleForCausalLM", "EctpUnscaledRopeForCausalLM"):
+        ModelRegistry.register_model(name, f"ectp.models.config_bugs:{name}")
+    for name in ("EctpNoWindowGemma2ForCausalLM", "EctpGemma2TwinForCausalLM"):
+        ModelRegistry.register_model(name, f"ectp.models.gemma2_window:{name}")
+'''
+SOURCES["ectp/models/config_bugs.py"] = _LLAMA + '''\
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer
+
+
+class _DerivedScaleAttention(LlamaAttention):
+    def __init__(self, *args, prefix="", **kwargs):
+        super().__init__(*args, prefix=prefix, **kwargs)
+        derived = self.hidden_size // self.total_num_heads
+        # The bug under test: layer 1's softmax scale is derived ** -0.5 (the engine's attention applies
+        # head_dim ** -0.5 to the queries scaled here by sqrt(head_dim / derived)).
+        self.ectp_query_scale = (self.head_dim / derived) ** 0.5 if prefix.endswith(".layers.1.self_attn") else 1.0
+
+    def forward(self, positions, hidden_states):
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        output, _ = self.o_proj(self.attn(q * self.ectp_query_scale, k, v))
+        return output
+
+
+class _UnscaledRopeAttention(LlamaAttention):
+    def __init__(self, *args, prefix="", **kwargs):
+        super().__init__(*args, prefix=prefix, **kwargs)
+        if prefix.endswith(".layers.1.self_attn"):
+            # The bug under test: layer 1's rotary embedding from rope_theta alone, the config's scaling dropped.
+            theta = kwargs["config"].rope_parameters["rope_theta"]
+            self.rotary_emb = get_rope(self.head_dim, max_position=self.max_position_embeddings,
+                                       rope_parameters={"rope_type": "default", "rope_theta": theta},
+                                       is_neox_style=True)
+
+
+class _DerivedScaleLayer(LlamaDecoderLayer):
+    def __init__(self, vllm_config, prefix="", config=None):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, config=config, attn_layer_type=_DerivedScaleAttention)
+
+
+class _UnscaledRopeLayer(LlamaDecoderLayer):
+    def __init__(self, vllm_config, prefix="", config=None):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, config=config, attn_layer_type=_UnscaledRopeAttention)
+
+
+class EctpDerivedScaleForCausalLM(LlamaForCausalLM):
+    enginecheck_reference = "LlamaForCausalLM"
+
+    def __init__(self, *, vllm_config, prefix=""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=_DerivedScaleLayer)
+
+
+class EctpUnscaledRopeForCausalLM(LlamaForCausalLM):
+    enginecheck_reference = "LlamaForCausalLM"
+
+    def __init__(self, *, vllm_config, prefix=""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=_UnscaledRopeLayer)
+'''
+SOURCES["ectp/models/gemma2_window.py"] = '''\
+from vllm.model_executor.models.gemma2 import Gemma2ForCausalLM
+
+
+class EctpNoWindowGemma2ForCausalLM(Gemma2ForCausalLM):
+    enginecheck_reference = "Gemma2ForCausalLM"
+
+    def __init__(self, *, vllm_config, prefix=""):
+        config = vllm_config.model_config.hf_config
+        kept = list(config.layer_types)
+        config.layer_types = ["full_attention"] * len(kept)  # the bug under test: the sliding window ignored
+        try:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        finally:
+            config.layer_types = kept
+
+
+class EctpGemma2TwinForCausalLM(Gemma2ForCausalLM):
+    enginecheck_reference = "Gemma2ForCausalLM"
+'''
+
 # Issue 32 item 3 on vLLM, the strict CUDA guard in every rank (--enginecheck-strict): a Llama whose layer 1 asks
 # torch.cuda.is_available() in its forward (every step; on CPU it answers False, so nothing but the guard sees it), one
 # whose layer 1 counts the GPUs while it is built, only at tensor_parallel_size > 1 (load[tp=1] builds it clean), and

@@ -149,6 +149,11 @@ def test_a_kernel_vllms_cpu_backend_lacks_is_a_skip_naming_it(in_limits_child: A
     ("BailingMoeV2_5ForCausalLM", "bfloat16", "generate",
      "vLLM's CPU backend has no Triton, and the model's layers launch the Triton kernel _fwd_diag_kernel "
      "(vllm/model_executor/layers/lightning_attn.py in forward)"),
+    # vLLM's Transformers backend asks HunYuanVL's processor for its modalities while it builds the config
+    ("HunYuanVLForConditionalGeneration", "float32", "config",
+     "the checker's tiny checkpoint has no preprocessor_config.json (it writes config.json, the weights and, where "
+     "vLLM reads one, a tokenizer; no processor files), and vLLM reads the model's image processor from it while it "
+     "starts (vllm/transformers_utils/processor.py in get_processor)"),
 ])
 def test_a_feature_vllms_cpu_backend_lacks_is_a_skip_naming_it(in_limits_child: Any, tmp_path: Path, architecture: str,
                                                                 dtype: str, phase: str, reason: str) -> None:

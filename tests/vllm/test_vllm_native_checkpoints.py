@@ -107,10 +107,11 @@ def test_a_checkpoint_is_written_under_the_names_vllms_loader_takes(in_child: An
 # leaving a MoE layer (vLLM's lfm2_moe.py raised finding none), TeleFLM's muP fields (a LlamaForCausalLM whose config
 # is not Llama's: the checker's remote config, checkpoints.foreign_base), SarvamMLA's hub head_dim, its MLA head (vLLM's
 # MLA metadata refused the tiny 32; its MLA layers make it run in bfloat16: engine.builds_mla), Isaac's top-level
-# head_dim, its text decoder's (its M-RoPE sections of the full-size 128 failed vLLM's rotary assertion).
+# head_dim, its text decoder's (TINY_SIZES' 64; its M-RoPE sections of the full-size 128 failed vLLM's rotary
+# assertion).
 FAMILY_RULES = {"Glm4MoeForCausalLM": ("head_dim", 32), "GPTJForCausalLM": ("rotary_dim", 8),
                 "Lfm2MoeForCausalLM": ("num_dense_layers", 1), "TeleFLMForCausalLM": ("use_mup", True),
-                "SarvamMLAForCausalLM": ("head_dim", 576), "IsaacForConditionalGeneration": ("head_dim", 32)}
+                "SarvamMLAForCausalLM": ("head_dim", 576), "IsaacForConditionalGeneration": ("head_dim", 64)}
 DTYPES = {"SarvamMLAForCausalLM": "bfloat16"}  # the dtype load runs in, where not float32
 
 

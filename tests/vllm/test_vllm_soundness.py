@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
 from pytest_enginecheck.settings import Settings
 
@@ -77,6 +79,38 @@ def test_an_out_of_tree_class_declares_the_config_field_it_reads_and_its_own_ref
     undeclared = in_child(_load, str(tmp_path), "EctpUndeclaredForCausalLM", 1, plugins="declared")
     assert isinstance(undeclared, str), undeclared
     assert "ectp_logit_scale" in undeclared and "enginecheck_config" in undeclared, undeclared
+
+
+@pytest.mark.parametrize(("architecture", "reference"), [
+    ("EctpDerivedScaleForCausalLM", "transformers' LlamaForCausalLM"),
+    ("EctpUnscaledRopeForCausalLM", "transformers' LlamaForCausalLM"),
+    ("EctpNoWindowGemma2ForCausalLM", "transformers' Gemma2ForCausalLM"),
+])
+def test_load_tp1_fails_what_a_uniform_tiny_config_cannot_show(in_child: Any, tmp_path: Any, architecture: str,
+                                                                reference: str) -> None:
+    """Issue 31 item 4: a softmax scale from hidden_size // heads (layer 1), a rope scaling dropped (layer 1), a sliding
+    window ignored (Gemma 2) each build the correct model on a tiny config whose head_dim is hidden/heads, with no rope
+    scaling and no window; on the family's tiny config (head_dim 64 beside hidden 64 over 2 heads, llama3 scaling,
+    window 16 on the sliding layers) load[tp=1] fails each against the reference it declares. Measured: the scale
+    1.4e-3, the rope 2.7e-3 (the clean twins 1e-6)."""
+    bug = in_child(_load, str(tmp_path), architecture, 1, plugins="config_bugs")
+    assert isinstance(bug, tuple), bug
+    message, detail = bug
+    assert message.startswith(f"{architecture} at tensor_parallel_size=1 does not compute what {reference} computes "
+                              f"on the same tiny checkpoint"), message
+    assert detail["kind"] == "reference_mismatch" and detail["oracle"] == "reference", detail
+    from pytest_enginecheck.targets.vllm.checks.reference import ORACLE_TOLERANCE
+
+    assert detail["max_reference_difference"] > 10 * ORACLE_TOLERANCE, detail  # not a rounding at the bound
+
+
+def test_load_tp1_passes_a_gemma2_that_keeps_its_sliding_window(in_child: Any, tmp_path: Any) -> None:
+    """The window bug's clean twin: Gemma 2's tiny config with its sliding window (which transformers' Gemma 2 needs:
+    with none it could not run, and Gemma 2 had no reference) agrees with transformers' Gemma 2."""
+    twin = in_child(_load, str(tmp_path), "EctpGemma2TwinForCausalLM", 1, plugins="config_bugs")
+    assert isinstance(twin, dict), twin
+    assert twin["oracle"] == "reference" and twin["reference"] == "transformers' Gemma2ForCausalLM", twin
+    assert twin["max_reference_difference"] < 1e-5, twin
 
 
 def test_load_tp1_fails_a_model_whose_output_depends_on_torchs_generators(in_child: Any, tmp_path: Any) -> None:

@@ -3,7 +3,8 @@ failure (its phase, its root exception and the frame that raised it), and told a
 
 Only what is provably not the model's fault is here: a kernel or feature vLLM's CPU backend lacks, vLLM refusing
 the config.json the checker wrote with transformers, a config field vLLM's model reads from the hub checkpoint's
-schema that transformers' config class renamed. Anything else an engine start raises stays a failure.
+schema that transformers' config class renamed, a processor file (preprocessor_config.json) vLLM reads from the tiny
+checkpoint, which has none. Anything else an engine start raises stays a failure.
 """
 
 from __future__ import annotations
@@ -98,6 +99,29 @@ def _needs_tokenizer(failure: EngineFailure) -> str | None:
         return None
     return (f"vLLM's {found[1]} needs the checkpoint's tokenizer, and the checker's tiny checkpoint has none (vLLM "
             f"starts on it with skip_tokenizer_init)")
+
+
+# The folder of the session's workdir the tiny checkpoints are written in (checkpoints/tiny.py's CHECKPOINTS_DIR; the
+# checkpoints room sits above this module, so it is named here and a test holds the two equal).
+TINY_CHECKPOINTS_DIR = "vllm-checkpoints"
+_NO_PROCESSOR_FILE = re.compile(r"OSError: Can't load (image processor|feature extractor) for '(?P<path>[^']+)'\..*"
+                                r"directory containing a (?P<file>\S+) file", re.DOTALL)
+
+
+def _no_processor_file(failure: EngineFailure) -> str | None:
+    """vLLM reading the model's image processor or feature extractor from the checker's tiny checkpoint while it
+    starts (HunYuanVL's processor, asked for the modalities it supports), where the checker writes config.json, the
+    weights and, where vLLM reads one, a tokenizer, but no processor file: transformers' loader
+    (image_processing_base.py, feature_extraction_utils.py) finds no preprocessor_config.json there."""
+    found = _NO_PROCESSOR_FILE.fullmatch(failure.exception)
+    file, function, _ = raised_in(failure.traceback)
+    if not (found and f"/{TINY_CHECKPOINTS_DIR}/" in found["path"]
+            and file.endswith(("transformers/image_processing_base.py", "transformers/feature_extraction_utils.py"))):
+        return None
+    caller, called_in, _ = raised_in(failure.traceback, "vllm/")
+    return (f"the checker's tiny checkpoint has no {found['file']} (it writes config.json, the weights and, where vLLM "
+            f"reads one, a tokenizer; no processor files), and vLLM reads the model's {found[1]} from it while it "
+            f"starts ({_short(caller) or 'vLLM'} in {called_in or function})")
 
 
 def _cpu_attention_feature(failure: EngineFailure) -> str | None:
@@ -219,6 +243,7 @@ def _short(file: str) -> str:
 
 LIMITS: tuple[Callable[[EngineFailure], str | None], ...] = (_no_triton, _cpu_moe_router, _cpu_mla_float32,
                                                               _config_unreadable, _schema_gap, _needs_tokenizer,
+                                                              _no_processor_file,
                                                               _cpu_attention_feature, _needs_model_runner_v2,
                                                               _cpu_sparse_attention, _missing_custom_op,
                                                               _triton_kernel_launch, _cpu_moe_not_gated,

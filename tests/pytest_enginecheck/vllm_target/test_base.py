@@ -273,3 +273,37 @@ def test_a_frame_without_a_source_line_does_not_hide_the_frame_it_calls() -> Non
                  '__post_init__\n    raise NotImplementedError(\nNotImplementedError: x\n')
     assert raised_in(traceback) == ("/venv/site-packages/vllm/model_executor/layers/fused_moe/config.py",
                                     "__post_init__", "raise NotImplementedError(")
+
+
+# --- limits: the processor files the checker's tiny checkpoint does not have ---------------------------------------
+_NO_PREPROCESSOR = ("OSError: Can't load image processor for '{path}'. If you were trying to load it from "
+                    "'https://huggingface.co/models', make sure you don't have a local directory with the same name. "
+                    "Otherwise, make sure '{path}' is the correct path to a directory containing a "
+                    "preprocessor_config.json file")
+# HunYuanVL's start (vLLM's Transformers backend asking its processor for the modalities it supports), as vLLM 0.32
+# raised it on the checker's tiny checkpoint
+_PROCESSOR_FRAMES = [("vllm/config/model.py", "_supports_multimodal_inputs"),
+                     ("vllm/model_executor/models/transformers/multimodal.py", "_get_audio_processor"),
+                     ("vllm/transformers_utils/processor.py", "get_processor"),
+                     ("transformers/processing_utils.py", "_get_arguments_from_pretrained"),
+                     ("transformers/models/auto/image_processing_auto.py", "from_pretrained"),
+                     ("transformers/image_processing_base.py", "get_image_processor_dict")]
+
+
+def test_a_processor_file_the_tiny_checkpoint_lacks_is_a_limit_naming_it() -> None:
+    from pytest_enginecheck.targets.vllm.checkpoints.tiny import CHECKPOINTS_DIR
+    from pytest_enginecheck.targets.vllm.failures import EngineFailure
+    from pytest_enginecheck.targets.vllm.limits import TINY_CHECKPOINTS_DIR, checker_limit
+
+    assert TINY_CHECKPOINTS_DIR == CHECKPOINTS_DIR
+    tiny = _NO_PREPROCESSOR.format(path=f"/tmp/enginecheck-x/{CHECKPOINTS_DIR}/HunYuanVLForConditionalGeneration")
+    limit = checker_limit(EngineFailure("config", 0, tiny, "", _vllm_traceback(*_PROCESSOR_FRAMES, exception=tiny)))
+    assert limit is not None, tiny
+    assert limit.startswith("the checker's tiny checkpoint has no preprocessor_config.json"), limit
+    assert "vllm/transformers_utils/processor.py in get_processor" in limit, limit
+    # a checkpoint of the user's (not the checker's), or the model's own code raising it: the model's failure
+    theirs = _NO_PREPROCESSOR.format(path="/models/my-vl-model")
+    assert checker_limit(EngineFailure("config", 0, theirs, "",
+                                       _vllm_traceback(*_PROCESSOR_FRAMES, exception=theirs))) is None
+    own = _vllm_traceback(*_PROCESSOR_FRAMES[:-1], ("../plugin/my_model.py", "load"), exception=tiny)
+    assert checker_limit(EngineFailure("config", 0, tiny, "", own)) is None

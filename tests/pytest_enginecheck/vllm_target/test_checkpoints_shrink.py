@@ -14,9 +14,12 @@ def test_tiny_sizes_shrink_only_the_fields_a_config_has() -> None:
     from pytest_enginecheck.targets.vllm.checkpoints.shrink import TINY_SIZES, tiny_sizes
 
     sizes = tiny_sizes({"hidden_size": 4096, "num_attention_heads": 32, "head_dim": 128, "rope_theta": 1e6})
-    assert sizes == {"hidden_size": 64, "num_attention_heads": 2, "head_dim": 32}
-    assert sizes["hidden_size"] == sizes["num_attention_heads"] * sizes["head_dim"]
-    assert TINY_SIZES["head_dim"] >= 32  # vLLM's CPU attention rejects head_dim 16
+    assert sizes == {"hidden_size": 64, "num_attention_heads": 2, "head_dim": 64}
+    # a model that derives the head size as hidden_size // heads builds another model than the config's
+    assert sizes["hidden_size"] // sizes["num_attention_heads"] != sizes["head_dim"]
+    assert TINY_SIZES["hidden_size"] // TINY_SIZES["num_attention_heads"] >= 32  # what a config without head_dim
+    assert TINY_SIZES["head_dim"] >= 32  # derives, and the head: vLLM's CPU attention rejects head_dim 16
+    assert TINY_SIZES["num_key_value_heads"] < TINY_SIZES["num_attention_heads"]  # GQA
 
 
 def test_tiny_sizes_keep_a_top1_router_top1_and_make_every_layer_full_attention() -> None:
@@ -28,6 +31,53 @@ def test_tiny_sizes_keep_a_top1_router_top1_and_make_every_layer_full_attention(
     assert tiny_sizes({"num_experts_per_tok": None}) == {"num_experts_per_tok": 2}
     layered = tiny_sizes({"num_hidden_layers": 40, "layer_types": ["sliding_attention"] * 40})
     assert layered == {"num_hidden_layers": 2, "layer_types": ["full_attention", "full_attention"]}
+
+
+def test_a_family_with_a_sliding_window_keeps_one_shorter_than_the_prompts_on_its_sliding_layers() -> None:
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import TINY_WINDOW, tiny_sizes
+
+    gemma2 = tiny_sizes({"num_hidden_layers": 26, "sliding_window": 4096,
+                         "layer_types": ["sliding_attention", "full_attention"] * 13})
+    assert gemma2 == {"num_hidden_layers": 2, "sliding_window": TINY_WINDOW,
+                      "layer_types": ["sliding_attention", "full_attention"]}
+    assert TINY_WINDOW < 29  # the vLLM load check's shortest prompt: the window cuts into every one
+    mistral = tiny_sizes({"sliding_window": 4096})  # one window for every layer, no layer_types
+    assert mistral == {"sliding_window": TINY_WINDOW}
+    # no window by default, or one its switch turns off (Qwen2's use_sliding_window: False): none, every layer full
+    qwen2 = tiny_sizes({"num_hidden_layers": 28, "sliding_window": 4096, "use_sliding_window": False,
+                        "layer_types": ["full_attention"] * 28})
+    assert qwen2 == {"num_hidden_layers": 2, "sliding_window": None, "layer_types": ["full_attention"] * 2}
+    assert tiny_sizes({"sliding_window": None}) == {"sliding_window": None}
+    assert tiny_sizes({"sliding_window": 0}) == {"sliding_window": None}  # 0: vLLM's "no window" too
+
+
+def test_a_family_whose_published_configs_scale_rope_gets_its_scaling() -> None:
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import family_rope_parameters
+
+    llama = family_rope_parameters("llama", {"rope_theta": 10000.0, "rope_type": "default"})
+    assert llama == {"rope_theta": 10000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    gemma3 = family_rope_parameters("gemma3_text", {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                    "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+    assert gemma3 == {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},  # the local layers' unscaled
+                      "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}
+    assert family_rope_parameters("qwen2", {"rope_theta": 1e6, "rope_type": "default"}) is None  # its default stays
+    assert family_rope_parameters("llama", None) is None
+
+
+def test_the_tiny_llama_and_gemma2_configs_keep_their_familys_features() -> None:
+    """The rules on transformers' own config classes: Llama's head_dim beside hidden/heads, GQA and llama3 scaling;
+    Gemma 2's window on its sliding layer, which transformers' Gemma 2 needs to run at all."""
+    import transformers
+
+    from pytest_enginecheck.targets.vllm.checkpoints.shrink import TINY_WINDOW, tiny_text_config
+
+    llama = tiny_text_config(transformers.LlamaConfig, transformers.LlamaConfig())
+    assert (llama.hidden_size, llama.num_attention_heads, llama.num_key_value_heads, llama.head_dim) == (64, 2, 1, 64)
+    assert llama.rope_parameters["rope_type"] == "llama3"
+    gemma2 = tiny_text_config(transformers.Gemma2Config, transformers.Gemma2Config())
+    assert gemma2.sliding_window == TINY_WINDOW
+    assert gemma2.layer_types == ["sliding_attention", "full_attention"]
 
 
 def test_grouped_expert_routing_left_none_gets_one_group_and_a_set_one_is_kept() -> None:

@@ -15,12 +15,15 @@ from typing import Any
 SEED = 0
 # A tiny checkpoint's ceiling (float32: 256 MiB); the tiny Llama has ~0.1M. More means a size field kept its full value.
 MAX_TINY_PARAMETERS = 64_000_000
-# Applied only where the config has the field; heads * head_dim == hidden_size keeps every family happy. One KV head
-# for two query heads, as real configs group them (a GQA bug, "kv_heads = heads", shows), and fewer KV heads than
-# TP=2's ranks: vLLM then replicates the KV head on every rank, the home of shard-selection bugs.
+# Applied only where the config has the field. A config with a head_dim field gets heads * head_dim = 128, not
+# hidden_size (64), as Gemma's and Qwen3's published configs have it: a model that derives the head size
+# as hidden_size // heads then builds another model (families without the field derive 64 / 2 = 32, the smallest
+# head vLLM's CPU attention takes). One KV head for two query heads, as real configs group them (a GQA bug,
+# "kv_heads = heads", shows), and fewer KV heads than TP=2's ranks: vLLM then replicates the KV head on every rank,
+# the home of shard-selection bugs. sliding_window: tiny_sizes sets TINY_WINDOW where the family uses one.
 TINY_SIZES: dict[str, Any] = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-    "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 256, "max_position_embeddings": 256,
+    "num_key_value_heads": 1, "head_dim": 64, "vocab_size": 256, "max_position_embeddings": 256,
     "num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
     "shared_expert_intermediate_size": 64, "sliding_window": None, "max_window_layers": 2,
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None,
@@ -28,6 +31,23 @@ TINY_SIZES: dict[str, Any] = {
     "num_kv_shared_layers": 0, "vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 32,
     # LongCat-Flash's zero-computation (identity) experts beside its routed ones (256 beside 512 on the hub)
     "zero_expert_num": 2,
+}
+# The sliding window of a family whose default config has one (Gemma 2/3, Cohere 2, GPT-OSS, Olmo 3, Mistral):
+# shorter than every prompt the load check runs (29, 33 and 122 tokens on vLLM), so a model that ignores it, or
+# applies it to the wrong layers, attends to keys the reference does not.
+TINY_WINDOW = 16
+# The rope scaling of the families whose published configs scale and whose transformers default config does not
+# (Llama 3.1-3.3's llama3; Gemma 3's linear factor 8 on its global layers), by model_type: a function of the default
+# config's rope_parameters. original_max_position_embeddings 64 of the tiny 256 positions, as Llama 3.1's 8192 of its
+# 131072, so the scaled frequencies turn the keys of every prompt: a model that drops the scaling computes another
+# rotation. Families whose default config already scales (Apertus and CWM's llama3, GPT-OSS' and Ministral 3's yarn)
+# keep their default's.
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+FAMILY_ROPE_SCALING: dict[str, Any] = {
+    "llama": lambda rope: {**rope, **LLAMA3_SCALING},
+    "gemma3_text": lambda rope: {**rope, "full_attention": {**rope["full_attention"], "rope_type": "linear",
+                                                             "factor": 8.0}},
 }
 # Grouped expert routing (DeepSeek's n_group, topk_group): transformers' DeepseekV2Config leaves them None, which vLLM's
 # deepseek_v2.py passes on to a router that then asserts them set (hub checkpoints set them); one group, as vLLM assumes
@@ -53,10 +73,12 @@ def tiny_sizes(fields: Mapping[str, Any]) -> dict[str, Any]:
     """The sizes a tiny config is built with, from the fields its default config has (name -> default value).
 
     TINY_SIZES where the config has the field; a router that picks fewer experts per token than TINY_SIZES (Llama
-    4's top-1) keeps its own number; a config without experts by default keeps its expert fields; a config that
-    lists ``layer_types`` gets one full-attention layer per layer; grouped routing left None gets one group, grouped
-    routing set gets TINY_GROUPS over the tiny experts; a dense-layer count (DENSE_PREFIX) leaves one MoE layer; a
-    partial rotary ``rotary_dim`` keeps its proportion of the head.
+    4's top-1) keeps its own number; a config without experts by default keeps its expert fields; a window
+    (``sliding_window``) is TINY_WINDOW where the default has one and ``use_sliding_window`` does not turn it off,
+    else None; a config that lists ``layer_types`` gets full-attention layers, or, where it has sliding-window layers
+    and a window, sliding-window layers and a full-attention last one (Gemma's order); grouped routing left None gets
+    one group, grouped routing set gets TINY_GROUPS over the tiny experts; a dense-layer count (DENSE_PREFIX) leaves
+    one MoE layer; a partial rotary ``rotary_dim`` keeps its proportion of the head.
     """
     sizes = {k: v for k, v in TINY_SIZES.items() if k in fields}
     counts = [fields[k] for k in EXPERT_COUNTS if k in fields]
@@ -73,8 +95,14 @@ def tiny_sizes(fields: Mapping[str, Any]) -> dict[str, Any]:
             sizes["num_key_value_heads"] = sizes["num_attention_heads"]
     if isinstance(fields.get("num_experts_per_tok"), int):
         sizes["num_experts_per_tok"] = min(fields["num_experts_per_tok"], TINY_SIZES["num_experts_per_tok"])
+    if "sliding_window" in fields:
+        sizes["sliding_window"] = TINY_WINDOW if uses_window(fields) else None
     if "layer_types" in fields:
-        sizes["layer_types"] = ["full_attention"] * sizes.get("num_hidden_layers", 2)
+        layers = sizes.get("num_hidden_layers", 2)
+        windowed = sizes.get("sliding_window") and "sliding_attention" in (fields["layer_types"] or ())
+        # Gemma's order: sliding-window layers first, the global one last (every Gemma 2 and 3 pattern starts so)
+        sizes["layer_types"] = (["sliding_attention"] * (layers - 1) + ["full_attention"] if windowed
+                                else ["full_attention"] * layers)
     for group in GROUP_ROUTING:
         if group in fields and fields[group] is None:
             sizes[group] = 1
@@ -93,6 +121,20 @@ def tiny_sizes(fields: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(fields.get("n_groups"), int):
             sizes["n_groups"] = min(fields["n_groups"], 2)
     return sizes
+
+
+def uses_window(fields: Mapping[str, Any]) -> bool:
+    """Whether a default config uses a sliding window: a positive ``sliding_window`` that ``use_sliding_window``
+    (Qwen2's switch, off in its published configs) does not turn off."""
+    window = fields.get("sliding_window")
+    return isinstance(window, int) and window > 0 and fields.get("use_sliding_window", True) is not False
+
+
+def family_rope_parameters(model_type: str, rope: Any) -> Any:
+    """The tiny config's ``rope_parameters`` of a ``model_type`` in FAMILY_ROPE_SCALING (its family's scaling on the
+    default config's ``rope``), else None: the default's stays."""
+    scale = FAMILY_ROPE_SCALING.get(model_type)
+    return scale(rope) if scale is not None and isinstance(rope, dict) else None
 
 
 def head_size(sizes: Mapping[str, Any]) -> int | None:
@@ -169,13 +211,16 @@ def tiny_text_config(config_cls: type, defaults: Any, more_sizes: Mapping[str, A
     """A text decoder's config class with TINY_SIZES applied; ``defaults`` is its default config. ``more_sizes``:
     sizes of other fields, applied where the config has them (vLLM's own configs' names: vllm_weights.py)."""
     names = (*TINY_SIZES, "num_heads", "expand", "n_groups", "attention_hidden_size", *GROUP_ROUTING, *DENSE_PREFIX,
-             "rotary_dim")
+             "rotary_dim", "use_sliding_window")
     fields = {k: v for k in names if (v := _default(defaults, k)) is not _MISSING}
     if "layer_types" in defaults.to_dict():
         fields["layer_types"] = defaults.layer_types
     # Never set a read-only property; where a field refuses None (an int-typed sliding_window), keep its default.
     aliases = getattr(config_cls, "attribute_map", None) or {}
     more = {k: v for k, v in (more_sizes or {}).items() if _default(defaults, k) is not _MISSING}
+    rope = family_rope_parameters(str(getattr(config_cls, "model_type", "")), _default(defaults, "rope_parameters"))
+    if rope is not None:
+        more["rope_parameters"] = rope
     sizes = {k: v for k, v in {**tiny_sizes(fields), **more}.items() if not _read_only(config_cls, aliases.get(k, k))
              and (v is not None or _admits_none(config_cls, aliases.get(k, k)))}
     if aliases.get("num_key_value_heads", "num_key_value_heads") == aliases.get("num_attention_heads"):
