@@ -79,12 +79,16 @@ CHECK_SPECS = (
               tp=True, roots="build",
               options=("tp", "strict", "budget_memory", "budget_utilization", "budget_max_model_len", "device_memory"),
               proves=("per-rank weights + buffers + activation peak + KV cache fit the budget and equal the "
-                      "meta-device estimate; on engine_ref also while serving requests (a batch of prompts of "
-                      "different lengths, prefill then decode steps, then the same requests again): each rank's peak "
-                      "in prefill and in decode steps fits the budget (a failure names the phase), and a rank holds "
-                      "no more after the second round than after the first (a per-request leak, named with its size "
-                      "and rank); with `--enginecheck-device-memory`, the full-size model (its `reference_config`) "
-                      "fits too")),
+                      "meta-device estimate; also while serving requests (a batch of prompts of different lengths, "
+                      "prefill then decode steps, then the same requests again): each rank's peak in prefill and in "
+                      "decode steps fits the budget (a failure names the phase), and a rank holds no more after the "
+                      "second round than after the first (a per-request leak, named with its size and rank). On vLLM, "
+                      "where the budget holds one request's KV (its CPU KV cache is sized apart), a step's peak must "
+                      "also stay within what vLLM's profile run measured (beyond 1/8 of it, at least 1 MiB): vLLM "
+                      "reserves only that for activations and gives the rest of the GPU to the KV cache; with "
+                      "`--enginecheck-device-memory`, the full-size model (engine_ref: its `reference_config`; vLLM: "
+                      "`--enginecheck-full-size-configs` or `enginecheck_full_size_config`, predicted from vLLM's own "
+                      "classes, docs/fit.md) fits too")),
     CheckSpec("startup", "Starting and stopping {architecture}",
               roots="build", options=("tp", "strict"),
               proves=("full engine startup, requests (prefill, then decode steps) and shutdown: every worker exits by "
@@ -93,7 +97,10 @@ CHECK_SPECS = (
                       "(named with its command line), fd, port, temp entry, shared memory, or entry its processes made "
                       "in /tmp or the working directory (fanotify names who made each, so another process's is never "
                       "blamed; where it cannot, the detail says what was not watched and why). load, budget, lora and "
-                      "quant hold every engine they start to the same")),
+                      "quant hold every engine they start to the same. On vLLM, each start (its ranks, vLLM's start, "
+                      "the requests, the shutdown) is watched the same way: a rank that had to be killed after the "
+                      "10 s shutdown grace fails with its Python stacks, and a process left running is named, then "
+                      "killed")),
     CheckSpec("lora", "Running {architecture} with a LoRA adapter at tensor_parallel_size={tp}",
               tp=True, roots="build", options=("tp", "strict"),
               proves=("with a tiny PEFT adapter at TP=N, greedy tokens equal TP=1's with the adapter and differ from "

@@ -6,7 +6,9 @@
   checks run and for a mid size (Qwen2-0.5B).
 - KV cache: one start of vLLM's CPU engine at TP=2: the KV bytes per token the fit computes equal the bytes the
   engine allocated per block over the block size, its blocks for VLLM_CPU_KVCACHE_SPACE equal the engine's, and its
-  weights equal what the engine reports (``RankMemory.weights``).
+  weights equal what the engine reports (``RankMemory.weights``); the activation peak of the profile run measured on
+  fake tensors (``fit/profile_run.py``, with the CPU engine's collectives) is within PEAK_TOLERANCE of the one the
+  engine's real profile run measured (``RankMemory.activation_peak``; engine_ref's tracker on both).
 - Full size: published configs (Llama-3.1-70B, Qwen2-7B, Mixtral-8x7B, DeepSeek-V2-Lite) predicted in seconds each,
   with their published parameter counts; the command's output and its errors.
 """
@@ -148,10 +150,14 @@ def _kv_allocation(worker: Any) -> dict[str, int]:
 
     runner = worker.model_runner
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in flat_tensors(runner.kv_caches)}
+    scheduler = worker.vllm_config.scheduler_config
     return {"rank": worker.rank, "num_blocks": runner.kv_cache_config.num_blocks,
-            "block_size": worker.vllm_config.cache_config.block_size, "kv_bytes": sum(storages.values())}
+            "block_size": worker.vllm_config.cache_config.block_size, "kv_bytes": sum(storages.values()),
+            "max_num_batched_tokens": scheduler.max_num_batched_tokens, "max_num_seqs": scheduler.max_num_seqs}
 
 
+# How far the activation peak measured on fake tensors may be from the CPU engine's own profile run (a fraction)
+PEAK_TOLERANCE = 0.02
 # (architecture, TP size, dtype) of the engine starts: dense GQA at TP=2, and MLA (its CPU backend takes bfloat16
 # only, and vLLM's CPU platform gives it blocks of 16 whatever is asked)
 KV_STARTS = (("Qwen2ForCausalLM", 2, "float32"), ("DeepseekV2ForCausalLM", 1, "bfloat16"))
@@ -176,22 +182,27 @@ def _engine_and_fit(workdir: str) -> list[dict[str, Any]]:
     results = []
     for ckpt, (_, tp, dtype), run in zip(ckpts, KV_STARTS, runs, strict=True):
         args = ServeArgs(tensor_parallel_size=tp, dtype=dtype, max_model_len=MAX_MODEL_LEN,
-                         block_size=run.captures[0]["block_size"])
+                         block_size=run.captures[0]["block_size"],
+                         # the engine's own (its CPU platform gives MLA models 2048 whatever is asked)
+                         max_num_batched_tokens=run.captures[0]["max_num_batched_tokens"],
+                         max_num_seqs=run.captures[0]["max_num_seqs"])
         config = gpu_vllm_config(Path(ckpt), args, GiB)
         predicted = []
         for rank in range(tp):
-            model = build_rank(config, rank)
+            model = build_rank(config, rank, peaks={}, collectives="cpu")
             layout = kv_layout(config, model.kv_cache_spec)
             fit = kv_fit(config, model.kv_cache_spec, layout, KV_CACHE_GIB * GiB, derived_max_model_len(config))
             predicted.append({"weights": model.weights_bytes, "buffers": model.buffers_bytes,
                               "kv_bytes_per_token": layout.bytes_per_token, "num_blocks": fit.num_blocks,
-                              "kv_cache_bytes": fit.kv_cache_bytes})
+                              "kv_cache_bytes": fit.kv_cache_bytes, "activation_peak": model.activation_peak,
+                              "unmeasured": model.activation_peak_unmeasured})
         results.append({"memory": run.memory, "allocated": run.captures, "predicted": predicted})
     return results
 
 
 def test_kv_bytes_per_token_and_blocks_equal_what_vllms_cpu_engine_allocates(in_child: Any, tmp_path: Path) -> None:
     starts = in_child(_engine_and_fit, str(tmp_path), timeout=900.0)
+    peaks = []
     for (architecture, tp, _), result in zip(KV_STARTS, starts, strict=True):
         assert len(result["allocated"]) == tp
         for memory, allocated, predicted in zip(result["memory"], result["allocated"], result["predicted"],
@@ -202,6 +213,14 @@ def test_kv_bytes_per_token_and_blocks_equal_what_vllms_cpu_engine_allocates(in_
             assert predicted["num_blocks"] == allocated["num_blocks"], architecture
             assert predicted["kv_cache_bytes"] == allocated["kv_bytes"], architecture
             assert (predicted["weights"], predicted["buffers"]) == (memory["weights"], memory["buffers"]), architecture
+            peaks.append((architecture, tp, memory["rank"], predicted["activation_peak"], memory["activation_peak"],
+                          predicted["unmeasured"]))
+    # the profile run on fake tensors (CPU collectives) against the engine's real one, engine_ref's tracker on both
+    print("\n".join(f"{a} tp={tp} rank={r}: activation peak {fake} B on fake tensors, {real} B in vLLM's CPU engine"
+                    for a, tp, r, fake, real, _ in peaks))
+    for architecture, tp, rank, fake, real, unmeasured in peaks:
+        assert fake is not None, (architecture, unmeasured)
+        assert abs(fake - real) <= PEAK_TOLERANCE * real, (architecture, tp, rank, fake, real)
 
 
 # --- full size: published configs, in seconds, as the command prints them -----------------------------------------
@@ -242,6 +261,11 @@ def test_full_size_configs_are_predicted_in_seconds_with_their_published_paramet
         assert seconds < 30, (name, seconds)
         assert rank["kv_bytes_per_token"] > 0
         assert rank["kv_tokens"]["low"] <= rank["kv_tokens"]["estimate"] <= rank["kv_tokens"]["high"]
+        # the profile run went through on fake tensors (dense, MoE and MLA), in the seconds above; not run where the
+        # weights alone exceed the 72 GiB vLLM requests (Llama-3.1-70B at TP=1)
+        over = rank["weights_bytes"] > 0.9 * 80 * GiB
+        assert rank["terms"]["activation_peak"]["basis"].startswith(
+            "formula estimate (not run: the weights alone exceed" if over else "measured on fake tensors"), name
 
 
 def _main(*commands: tuple[str, ...]) -> list[tuple[int, str, str]]:
@@ -276,6 +300,7 @@ def test_the_command_for_llama_70b_and_its_refusals(in_child: Any, tmp_path: Pat
     assert "[rank 0-3] Model loading took 32.89 GiB memory" in out
     assert "81,920 B per token (exact)" in out
     assert "GPU KV cache size: ~" in out and "(range " in out
+    assert "activation peak ~3.08 GiB (range 1.54 to 3.85 GiB) (measured on fake tensors)" in out
     assert "Smallest tensor_parallel_size that fits (tried 1, 2, 4, 8): 4 at the estimate" in out
     report = json.loads(machine[1])
     assert [r["rank"] for r in report["ranks"]] == list(range(8))

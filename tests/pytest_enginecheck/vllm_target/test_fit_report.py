@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from pytest_enginecheck.targets.vllm.fit.estimates import Estimate, GiB
+from pytest_enginecheck.targets.vllm.fit.estimates import Estimate, GiB, measured_activation_peak
 from pytest_enginecheck.targets.vllm.fit.report import FitReport, RankFit, render, verdict
 from pytest_enginecheck.targets.vllm.fit.sizing import GpuTerms
 
@@ -50,8 +50,15 @@ def test_identical_ranks_print_once_exact_figures_plainly_and_estimates_as_range
     assert "GPU KV cache size: ~469,040 tokens (range 405,776 to 493,472)" in text
     assert "Maximum concurrency for 32,768 tokens per request: ~14.31x (range 12.38x to 15.05x)" in text
     assert "CUDA graphs 0.00 GiB," not in text and "CUDA graphs 0.00 GiB" in text  # exact: no range
+    assert "activation peak ~2.00 GiB (range 1.00 to 4.00 GiB) (formula estimate), non-torch" in text
     assert "Largest max_model_len that fits: 131,072 tokens (the model's maximum is 131,072)" in text
     assert "max_model_len=32,768 fits, also with every GPU-only term at the high end of its range" in text
+
+
+def test_a_measured_activation_peak_says_so() -> None:
+    measured = replace(TERMS, activation_peak=measured_activation_peak(2 * GiB, 8192, 1024))
+    text = render(_report([replace(_rank(0), terms=measured)], Estimate.exact(131_072)))
+    assert "activation peak ~2.00 GiB (range 1.00 to 2.50 GiB) (measured on fake tensors), non-torch" in text
 
 
 def test_ranks_that_differ_print_apart() -> None:

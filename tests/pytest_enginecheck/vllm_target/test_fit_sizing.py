@@ -7,11 +7,15 @@ import pytest
 
 from pytest_enginecheck.targets.vllm.fit.estimates import (
     CUDA_GRAPHS,
+    FORMULA,
+    MEASURED,
+    MEASURED_RANGE,
     Estimate,
     GiB,
     ProfileShapes,
     activation_peak,
     cuda_graphs,
+    measured_activation_peak,
     non_torch,
 )
 from pytest_enginecheck.targets.vllm.fit.sizing import GpuTerms, available_kv_cache_memory, requested_memory
@@ -31,6 +35,23 @@ def test_the_activation_peak_is_the_larger_of_the_dummy_forward_and_the_sampler_
     assert "dummy sampler run" in peak.basis
     fewer_rows = activation_peak(LLAMA_70B_TP4, max_num_batched_tokens=8192, max_num_seqs=16)
     assert fewer_rows.estimate == forward and "dummy forward" in fewer_rows.basis
+
+
+def test_a_measured_peak_is_the_estimate_with_the_stated_cuda_range_and_says_so() -> None:
+    peak = measured_activation_peak(3_303_055_360, max_num_batched_tokens=8192, max_num_seqs=1024)
+    low, high = MEASURED_RANGE
+    assert (peak.low, peak.estimate, peak.high) == (int(3_303_055_360 * low), 3_303_055_360, int(3_303_055_360 * high))
+    assert peak.low < peak.estimate < peak.high
+    assert peak.basis.startswith(MEASURED) and "max_num_batched_tokens=8192" in peak.basis and "1024 rows" in peak.basis
+    assert GpuTerms(peak, non_torch(4), cuda_graphs(True)).activation_peak_source == MEASURED
+
+
+def test_the_formula_stands_in_labelled_with_why_the_fake_run_failed() -> None:
+    peak = activation_peak(LLAMA_70B_TP4, 8192, 1024,
+                           unmeasured="the fake run failed: UnsupportedOperatorException: _C.some_op")
+    assert peak.basis.startswith(f"{FORMULA} (the fake run failed: UnsupportedOperatorException: _C.some_op)")
+    assert GpuTerms(peak, non_torch(4), cuda_graphs(True)).activation_peak_source == FORMULA
+    assert activation_peak(LLAMA_70B_TP4, 8192, 1024).basis.startswith(f"{FORMULA}: ")
 
 
 def test_the_constant_terms_depend_on_tp_and_enforce_eager_only() -> None:

@@ -4,7 +4,8 @@ The objects come from vLLM's own ``EngineArgs.create_engine_config`` in this (CP
 input as it would at startup (TP dividing the heads, max_model_len within the model's, the dtype, the KV-cache
 dtype) and its message is the error. Where vLLM's CPU platform sets what the GPU would not, the GPU's value is given
 or put back: the dtype ("auto" resolved as on CUDA: the checkpoint's, float32 checkpoints in bfloat16), the block
-size (CUDA's 16; 64 for MLA), the SSM state dtype, and ``vllm serve``'s scheduler defaults for that GPU size.
+size (CUDA's 16; 64 for MLA), the SSM state dtype, and ``vllm serve``'s scheduler defaults for that GPU size (also
+for MLA models, whose batches the CPU platform resizes).
 """
 
 from __future__ import annotations
@@ -112,6 +113,9 @@ def gpu_vllm_config(model_dir: Path, args: ServeArgs, gpu_memory: int) -> Any:
     cache = vllm_config.cache_config
     use_mla = bool(getattr(vllm_config.model_config, "use_mla", False))
     cache.block_size = args.block_size or (MLA_BLOCK_SIZE if use_mla else CUDA_BLOCK_SIZE)
+    # the CPU platform sizes an MLA model's batches to max(max_model_len, 2048) tokens (no chunked prefill on the
+    # CPU); on a GPU they are the ones asked for, which the profile run's activation peak depends on
+    vllm_config.scheduler_config.max_num_batched_tokens = kwargs["max_num_batched_tokens"]
     if hasattr(cache, "mamba_ssm_cache_dtype"):  # the CPU platform resets it to float32
         cache.mamba_ssm_cache_dtype = "auto"
     return vllm_config

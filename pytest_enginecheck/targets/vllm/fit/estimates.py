@@ -7,11 +7,15 @@ custom all-reduce buffers) and, by default since vLLM 0.21 (``VLLM_MEMORY_PROFIL
 memory of its CUDA graphs. None of the last three can be measured without the GPU, so each is an ``Estimate``: a
 stated value and the range [low, high] it stands for. Every printed figure derived from them is a range.
 
-The activation peak is computed from the rank's own layer shapes (``ProfileShapes``, read off the meta build): the
-largest set of tensors that must coexist in one layer of the dummy forward at ``max_num_batched_tokens`` tokens, or
-in the dummy sampler run over ``max_num_seqs`` rows of logits, whichever is larger; the range is half to twice that
-(kernel scratch, attention workspaces and allocator rounding are not counted, a fused kernel keeps less). The other
-two are constants (``NON_TORCH``, ``CUDA_GRAPHS``) from vLLM's published startup logs (``docs/fit.md``).
+The activation peak is measured where it can be (``measured_activation_peak``): vLLM's own profile run on the rank's
+full-size model on fake tensors (``profile_run.py``), the torch allocator's exact bytes with the CPU platform's ops;
+the range (``MEASURED_RANGE``) is what CUDA's other kernels and allocator may make of it. Where the fake run fails,
+a formula stands in (``activation_peak``, labelled "formula estimate"): from the rank's own layer shapes
+(``ProfileShapes``, read off the meta build), the largest set of tensors that must coexist in one layer of the dummy
+forward at ``max_num_batched_tokens`` tokens, or in the dummy sampler run over ``max_num_seqs`` rows of logits,
+whichever is larger; its range is half to twice that (kernel scratch, attention workspaces and allocator rounding are
+not counted, a fused kernel keeps less). The other two are constants (``NON_TORCH``, ``CUDA_GRAPHS``) from vLLM's
+published startup logs (``docs/fit.md``).
 """
 
 from __future__ import annotations
@@ -66,10 +70,33 @@ NON_TORCH = {1: (int(0.1 * GiB), int(0.25 * GiB), int(0.6 * GiB)),
 CUDA_GRAPHS = (int(0.1 * GiB), int(0.5 * GiB), int(2 * GiB))
 
 
-def activation_peak(shapes: ProfileShapes, max_num_batched_tokens: int, max_num_seqs: int) -> Estimate:
-    """The profile run's torch activation peak on one rank (vLLM's ``torch_peak_increase``): the larger of the
-    dummy forward's (two hidden-state tensors plus the largest layer's intermediates, per token) and the dummy sampler
-    run's (min(max_num_seqs, max_num_batched_tokens) rows of logits in the dtype, float32, sorted values and int64
+# How a peak measured on fake tensors (the CPU platform's ops, exact storage bytes) may differ on CUDA, as factors:
+# lower where CUDA fuses what the CPU build runs natively (RMSNorm's float32 intermediates) or samples without
+# sorting the logits (FlashInfer's top-k/top-p, where the CPU sorts a float32 copy and its int64 indices: most of a
+# large vocabulary's peak); higher by the caching allocator's rounding (512 B a block) and any op whose CUDA kernel
+# keeps a scratch tensor the CPU one does not. Not checked against a GPU run (docs/fit.md).
+MEASURED_RANGE = (0.5, 1.25)
+MEASURED = "measured on fake tensors"
+FORMULA = "formula estimate"
+
+
+def measured_activation_peak(peak: int, max_num_batched_tokens: int, max_num_seqs: int) -> Estimate:
+    """The profile run's torch activation peak on one rank as measured on fake tensors (``profile_run.measure``),
+    with the range MEASURED_RANGE gives it on CUDA."""
+    low, high = MEASURED_RANGE
+    rows = min(max_num_seqs, max_num_batched_tokens)
+    return Estimate(int(peak * low), peak, int(peak * high),
+                    f"{MEASURED}: vLLM's profile run (dummy forward at max_num_batched_tokens="
+                    f"{max_num_batched_tokens}, dummy sampler run over {rows} rows) with the CPU platform's ops, "
+                    f"x{low:g} to x{high:g} for CUDA's kernels and allocator")
+
+
+def activation_peak(shapes: ProfileShapes, max_num_batched_tokens: int, max_num_seqs: int,
+                    unmeasured: str = "") -> Estimate:
+    """The profile run's torch activation peak on one rank (vLLM's ``torch_peak_increase``) by formula, where it was
+    not measured (``unmeasured``: why, e.g. "the fake run failed: ..."): the larger of the dummy forward's (two
+    hidden-state tensors plus the largest layer's intermediates, per token) and the dummy sampler run's
+    (min(max_num_seqs, max_num_batched_tokens) rows of logits in the dtype, float32, sorted values and int64
     indices), beside the last hidden states; the range is half to twice it."""
     tokens = max_num_batched_tokens
     forward = tokens * (2 * shapes.hidden_bytes_per_token + shapes.layer_bytes_per_token)
@@ -78,9 +105,10 @@ def activation_peak(shapes: ProfileShapes, max_num_batched_tokens: int, max_num_
                + tokens * shapes.hidden_bytes_per_token)
     peak = max(forward, sampler)
     which = "dummy forward" if forward >= sampler else "dummy sampler run"
+    why = f" ({unmeasured})" if unmeasured else ""
     return Estimate(peak // 2, peak, 2 * peak,
-                    f"{which} at max_num_batched_tokens={tokens}, max_num_seqs={max_num_seqs}: the largest tensors "
-                    f"that coexist, x0.5 to x2")
+                    f"{FORMULA}{why}: {which} at max_num_batched_tokens={tokens}, max_num_seqs={max_num_seqs}: the "
+                    f"largest tensors that coexist, x0.5 to x2")
 
 
 def non_torch(tensor_parallel_size: int) -> Estimate:

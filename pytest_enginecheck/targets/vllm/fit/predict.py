@@ -1,7 +1,8 @@
 """The whole prediction: vLLM at TP=N on GPUs of a given size, from a config.json, in this (CPU) process.
 
 For every rank: vLLM's config objects (``engine_config``), its model built for that rank on the meta device
-(``rank_model``), vLLM's sizing (``sizing``, with the GPU-only terms of ``estimates``) and its KV-cache functions
+(``rank_model``) and vLLM's profile run on it on fake tensors (``profile_run``: the activation peak, once per
+layout), vLLM's sizing (``sizing``, with the GPU-only terms of ``estimates``) and its KV-cache functions
 (``kv_cache``) at the three points of the range. Then the same at the other TP sizes of ``TRY_SIZES`` (rank 0 only:
 the ranks of a TP-only engine build the same shapes, as every rank of the requested size shows), for the smallest
 size that fits. Nothing full-size is allocated; vLLM's distributed state is joined once per process (TP=1, gloo).
@@ -24,9 +25,15 @@ from pytest_enginecheck.targets.vllm.fit.engine_config import (
     model_directory,
     read_config,
 )
-from pytest_enginecheck.targets.vllm.fit.estimates import Estimate, activation_peak, cuda_graphs, non_torch
+from pytest_enginecheck.targets.vllm.fit.estimates import (
+    Estimate,
+    activation_peak,
+    cuda_graphs,
+    measured_activation_peak,
+    non_torch,
+)
 from pytest_enginecheck.targets.vllm.fit.report import FitReport, RankFit
-from pytest_enginecheck.targets.vllm.fit.sizing import GpuTerms, available_kv_cache_memory
+from pytest_enginecheck.targets.vllm.fit.sizing import GpuTerms, available_kv_cache_memory, requested_memory
 
 TRY_SIZES = (1, 2, 4, 8)
 
@@ -107,10 +114,14 @@ def _predict(model_dir: Path, label: str, args: ServeArgs, total: int, ranks: It
     scheduler, cache = vllm_config.scheduler_config, vllm_config.cache_config
     batched, seqs = scheduler.max_num_batched_tokens, scheduler.max_num_seqs
     fits: list[RankFit] = []
+    peaks: dict[object, int | str] = {}
     for r in range(tp) if ranks is None else ranks:
-        model = build_rank(vllm_config, r)
+        model = build_rank(vllm_config, r, peaks=peaks,
+                           requested=requested_memory(total, cache.gpu_memory_utilization))
         layout = kv_layout(vllm_config, model.kv_cache_spec)
-        terms = GpuTerms(activation_peak(model.profile, batched, seqs), non_torch(tp),
+        peak = (measured_activation_peak(model.activation_peak, batched, seqs) if model.activation_peak is not None
+                else activation_peak(model.profile, batched, seqs, model.activation_peak_unmeasured))
+        terms = GpuTerms(peak, non_torch(tp),
                          cuda_graphs(bool(vllm_config.model_config.enforce_eager)))
         available = available_kv_cache_memory(total, cache.gpu_memory_utilization,
                                               model.weights_bytes + model.buffers_bytes, terms)

@@ -10,7 +10,8 @@ expert layouts, quantized layouts), and nothing is allocated. ``torch.distribute
 1: a model that asks torch (not vLLM) for the world size while it is built is sized as at TP=1 (docs/fit.md).
 
 ``build_rank`` returns what the prediction needs of that rank: parameter and buffer bytes, each attention layer's
-KV-cache spec (vLLM's own ``get_kv_cache_spec`` over the model's layers), and the shapes of its profile run.
+KV-cache spec (vLLM's own ``get_kv_cache_spec`` over the model's layers), the shapes of its profile run (for the
+formula) and, asked, the activation peak of that profile run measured on fake tensors (``profile_run``).
 """
 
 from __future__ import annotations
@@ -21,12 +22,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_enginecheck.targets.vllm.fit import FitError
+from pytest_enginecheck.targets.vllm.fit import PARALLEL_STATE, RANK_GROUPS, FitError
 from pytest_enginecheck.targets.vllm.fit.estimates import ProfileShapes
 
-PARALLEL_STATE = "vllm.distributed.parallel_state"
-# vLLM's groups a rank of a TP-only engine belongs to with all its TP peers (pipeline, data, context parallel: 1)
-RANK_GROUPS = ("_TP", "_WORLD", "_EP")
 ATTENTION_LAYER = (("vllm.model_executor.layers.attention_layer_base", "AttentionLayerBase"),
                    ("vllm.attention.layer", "AttentionLayerBase"))
 KV_CACHE_SPEC = (("vllm.v1.worker.gpu.attn_utils", "get_kv_cache_spec"),)
@@ -46,6 +44,9 @@ class RankModel:
     buffers_bytes: int
     kv_cache_spec: dict[str, Any]  # layer name -> vLLM's KVCacheSpec (a layer sharing another's KV has none)
     profile: ProfileShapes
+    # the profile run's torch activation peak measured on fake tensors (profile_run.py); None: not measured, and why
+    activation_peak: int | None = None
+    activation_peak_unmeasured: str = "not asked"
     parameters: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)  # name -> (shape, dtype)
 
 
@@ -101,11 +102,20 @@ def rank_view(tensor_parallel_size: int, rank: int) -> Iterator[None]:
             setattr(state, name, group)
 
 
-def build_rank(vllm_config: Any, rank: int, with_parameters: bool = False) -> RankModel:
+def build_rank(vllm_config: Any, rank: int, with_parameters: bool = False,
+               peaks: dict[Any, int | str] | None = None, collectives: str = "cuda",
+               requested: int | None = None) -> RankModel:
     """vLLM's model for ``rank`` of ``vllm_config``'s tensor_parallel_size, built on the meta device under
     ``vllm_config`` (vLLM's ``initialize_model``, the engine's dtype); ``with_parameters`` also lists every
-    parameter's shape and dtype."""
+    parameter's shape and dtype. Given ``peaks``, it also runs vLLM's profile run on the model on fake tensors
+    (``profile_run.measure``) for its activation peak, once per layout: ``peaks`` keeps, by the parameters' and
+    buffers' names, shapes and dtypes, the peak or why it was not measured (the ranks of a TP-only engine mostly
+    share one layout, and a run of a full-size model takes about a second); ``collectives``: whose collectives the
+    run's allocate as ("cuda": the GPU engine's out-of-place all-reduce; "cpu": vLLM's CPU engine, for comparing
+    with it). A rank whose weights alone exceed ``requested`` bytes (vLLM's share of the GPU) is not run: nothing
+    fits it whatever its peak."""
     from pytest_enginecheck.targets.vllm.checkpoints.vllm_build import CURRENT_CONFIG, built_model
+    from pytest_enginecheck.targets.vllm.fit.profile_run import FakeRunUnavailable, measure
     from pytest_enginecheck.targets.vllm.probe import find, model_initializer
 
     tp = vllm_config.parallel_config.tensor_parallel_size
@@ -114,7 +124,8 @@ def build_rank(vllm_config: Any, rank: int, with_parameters: bool = False) -> Ra
     architecture = vllm_config.model_config.architecture
     with find(CURRENT_CONFIG, NEEDED)(vllm_config), rank_view(tp, rank):
         try:
-            model = built_model(model_initializer(), vllm_config, "meta")
+            registered: dict[str, Any] = {}
+            model = built_model(_registering(model_initializer(), registered), vllm_config, "meta")
             specs = _kv_cache_spec(vllm_config, model)
         except (NotImplementedError, RuntimeError) as e:
             if "meta" not in str(e):
@@ -124,13 +135,40 @@ def build_rank(vllm_config: Any, rank: int, with_parameters: bool = False) -> Ra
                            f"size cannot be predicted without allocating it") from None
         except Exception as e:  # noqa: BLE001 - vLLM refusing to build the model here, in its words
             raise _unbuildable(architecture, rank, tp, e) from None
-    params = list(model.named_parameters())
-    return RankModel(
-        rank=rank, weights_bytes=sum(p.numel() * p.element_size() for _, p in params),
-        buffers_bytes=sum(b.numel() * b.element_size() for b in model.buffers()), kv_cache_spec=specs,
-        profile=profile_shapes(vllm_config, model),
-        parameters={n: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in params}
-        if with_parameters else {})
+        params = list(model.named_parameters())
+        built = RankModel(
+            rank=rank, weights_bytes=sum(p.numel() * p.element_size() for _, p in params),
+            buffers_bytes=sum(b.numel() * b.element_size() for b in model.buffers()), kv_cache_spec=specs,
+            profile=profile_shapes(vllm_config, model),
+            parameters={n: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in params}
+            if with_parameters else {})
+        if peaks is not None:
+            layout = tuple((n, tuple(t.shape), t.dtype) for n, t in [*params, *model.named_buffers()])
+            if requested is not None and built.weights_bytes + built.buffers_bytes > requested:
+                peaks[layout] = "not run: the weights alone exceed the requested memory"
+            elif layout not in peaks:
+                try:  # last: the run leaves the model eager, its fused-MoE layers with fake weights
+                    peaks[layout] = measure(vllm_config, model, registered, collectives)
+                except FakeRunUnavailable as e:
+                    peaks[layout] = f"the fake run failed: {e}"
+            peak = peaks[layout]
+            if isinstance(peak, int):
+                built.activation_peak = peak
+            else:
+                built.activation_peak_unmeasured = peak
+    return built
+
+
+def _registering(initialize_model: Any, registered: dict[str, Any]) -> Any:
+    """``initialize_model`` that also keeps, in ``registered``, the layers the model registers in the config's static
+    forward context while it is built (``built_model`` gives it a context of its own, dropped afterwards)."""
+
+    def initialize(**kwargs: Any) -> Any:
+        model = initialize_model(**kwargs)
+        registered.update(kwargs["vllm_config"].compilation_config.static_forward_context)
+        return model
+
+    return initialize
 
 
 def _unbuildable(architecture: str, rank: int, tp: int, error: BaseException) -> FitError:

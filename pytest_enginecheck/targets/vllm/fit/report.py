@@ -172,7 +172,8 @@ def render(report: FitReport) -> str:
             f"parameters + {rank.buffers_bytes:,} B of buffers)",
             f"[{label}] KV cache: {rank.kv_spec}: {rank.kv_bytes_per_token:,} B per token (exact); one request of "
             f"{r.max_model_len:,} tokens needs {gib(rank.kv_one_request_bytes)}",
-            f"[{label}] GPU-only terms (stated estimates): activation peak {_range(t.activation_peak)}, non-torch "
+            f"[{label}] GPU-only terms (stated estimates): activation peak {_range(t.activation_peak)} "
+            f"({t.activation_peak_source}), non-torch "
             f"{_range(t.non_torch)}, CUDA graphs {_range(t.cuda_graphs)}",
             f"[{label}] Available KV cache memory: {_range(rank.available_kv_cache_memory)}",
             f"[{label}] GPU KV cache size: {_range(rank.kv_tokens, 'tokens')}, Maximum concurrency for "

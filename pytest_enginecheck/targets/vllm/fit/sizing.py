@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pytest_enginecheck.targets.vllm.fit.estimates import Estimate
+from pytest_enginecheck.targets.vllm.fit.estimates import FORMULA, MEASURED, Estimate
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,12 @@ class GpuTerms:
     activation_peak: Estimate
     non_torch: Estimate
     cuda_graphs: Estimate
+
+    @property
+    def activation_peak_source(self) -> str:
+        """"measured on fake tensors" (``estimates.measured_activation_peak``), else "formula estimate" (where the fake
+        run failed; the basis says why)."""
+        return MEASURED if self.activation_peak.basis.startswith(MEASURED) else FORMULA
 
     def to_dict(self) -> dict[str, dict[str, int | str]]:
         return {"activation_peak": self.activation_peak.to_dict(), "non_torch": self.non_torch.to_dict(),
