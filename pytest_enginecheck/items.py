@@ -72,11 +72,15 @@ class CheckItem(pytest.Item):
     def runtest(self) -> None:
         from pytest_enginecheck.checks.runner import run_item
 
-        with rank_turn(turns_dir(self.config), self.ranks) as waited:
-            result = run_item(self.ctx, self.roots, self.known)
-        # the wait for its turn is the run's, not the check's: a phase beside its own, not in its duration
-        self.result = dataclasses.replace(result, phases={**result.phases, "turn.wait": round(waited, 4)}
-                                          ) if waited else result
+        if self.ctx.refused:  # a check the target does not offer here, of a required architecture: nothing to run
+            self.result = CheckResult(self.ctx.architecture, self.name, "skipped", 0.0,
+                                      f"not offered here: {self.ctx.refused}", {"kind": "not_offered"})
+        else:
+            with rank_turn(turns_dir(self.config), self.ranks) as waited:
+                result = run_item(self.ctx, self.roots, self.known)
+            # the wait for its turn is the run's, not the check's: a phase beside its own, not in its duration
+            self.result = dataclasses.replace(result, phases={**result.phases, "turn.wait": round(waited, 4)}
+                                              ) if waited else result
         if self.ctx.required and self.result.outcome == "skipped" and self.result.detail.get("kind") != "dependency":
             self.result = required_skip(self.result)
         self.user_properties.append((RESULT_PROPERTY, json.dumps(self.result.to_dict())))
@@ -111,9 +115,11 @@ class CheckItem(pytest.Item):
 
 def required_skip(result: CheckResult) -> CheckResult:
     """A skip of an architecture --enginecheck-fail-on-skip selects, as the failure it is for this run."""
+    fix = ("run it where the target offers it (the reason says how), or name the checks to run with "
+           "--enginecheck-checks" if result.detail.get("kind") == "not_offered" else "make the check apply to it")
     return dataclasses.replace(result, outcome="failed", message=(
         f"{result.arch} {result.check} was not checked ({result.message}), and --enginecheck-fail-on-skip selects "
-        f"{result.arch}: make the check apply to it, or leave it out of --enginecheck-fail-on-skip."),
+        f"{result.arch}: {fix}, or leave it out of --enginecheck-fail-on-skip."),
         detail={**result.detail, "kind": "required_skip", "skip_reason": result.message})
 
 

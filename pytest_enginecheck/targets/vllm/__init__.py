@@ -60,7 +60,9 @@ class VllmTarget(RegistryTarget):
     quiet = True  # vLLM's log lines: shown only when describing fails
 
     def offered(self) -> Offer:
-        """The engine checks where vLLM can start its CPU engine here (decided without importing vLLM)."""
+        """The engine checks where vLLM can start its CPU engine here (decided without importing vLLM), and a note
+        where the installed release is newer than the newest the checks were measured on (``window``)."""
+        from pytest_enginecheck.targets.vllm import window
         from pytest_enginecheck.targets.vllm.checks.quant import NOT_OFFERED
         from pytest_enginecheck.targets.vllm.probe import cpu_backend_missing
 
@@ -68,7 +70,11 @@ class VllmTarget(RegistryTarget):
         checks = CHECKS if missing else (*CHECKS, *ENGINE_CHECKS)
         refused = [(check, missing) for check in ENGINE_CHECKS if missing]
         methods = () if missing else tuple((f"quant[{m}]", why) for m, why in NOT_OFFERED.items())
-        return Offer(checks, (*refused, *methods))
+        installed = window.installed()
+        notes = () if installed is None else tuple(
+            note for note in (window.beyond(*installed, checks="registry"),
+                              "" if missing else window.beyond(*installed, checks="engine")) if note)
+        return Offer(checks, (*refused, *methods), notes)
 
     def check_settings(self, settings: Settings) -> None:
         """The quant check's methods must be ones the vLLM target knows (quant.METHODS, or NOT_OFFERED: skipped)."""

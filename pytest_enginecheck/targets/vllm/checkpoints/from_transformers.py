@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pytest_enginecheck.targets.vllm.checkpoints.config_dtype import set_float32
 from pytest_enginecheck.targets.vllm.checkpoints.declared import CONFIG_ATTRIBUTE, declared_config
 from pytest_enginecheck.targets.vllm.checkpoints.hub_layout import (
     add_hub_norms,
@@ -108,7 +109,7 @@ def tiny_config(architecture: str, model_cls: type | None = None) -> Any:
     for field, value in declared_config(architecture, model_cls).items():  # the author's, over the shrink rules
         setattr(config, field, value)
     config.architectures = [architecture]
-    config.dtype = "float32"
+    set_float32(config)  # issue 34: the field older transformers reads and saves (config_dtype.py)
     return config
 
 
@@ -120,7 +121,7 @@ def make_hf_checkpoint(architecture: str, path: Path, model_cls: type | None = N
     from pytest_enginecheck.targets.vllm.checkpoints import composite, tokenizer
 
     config = tiny_config(architecture, model_cls)
-    config.dtype = torch.float32  # transformers' modeling code may read it as a torch.dtype (Apertus' xIELU)
+    set_float32(config, as_torch_dtype=True)  # modeling code may read it as a torch.dtype (Apertus' xIELU); issue 34
     too_large = _too_large(hf_class(architecture, model_cls), config)
     if too_large:
         raise NoTinyCheckpoint(f"the tiny config of {architecture} still makes {too_large}: a size field the shrink "

@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pytest_enginecheck.targets.vllm.checkpoints.config_dtype import set_float32
 from pytest_enginecheck.targets.vllm.checkpoints.declared import declared_config
 from pytest_enginecheck.targets.vllm.checkpoints.hub_layout import hub_fields
 from pytest_enginecheck.targets.vllm.checkpoints.shrink import (
@@ -60,7 +61,7 @@ def tiny_vllm_config(architecture: str, model_cls: type) -> Any:
     for field, value in declared_config(architecture, model_cls).items():  # the author's, over the shrink rules
         setattr(config, field, value)
     config.architectures = [architecture]
-    config.dtype = "float32"
+    set_float32(config)  # issue 34: the field older transformers reads and saves (config_dtype.py)
     return config
 
 

@@ -25,6 +25,7 @@ import json
 from typing import Any
 
 from pytest_enginecheck.targets.vllm.checkpoints import composite
+from pytest_enginecheck.targets.vllm.checkpoints.config_dtype import set_float32
 from pytest_enginecheck.targets.vllm.checkpoints.shrink import NoTinyCheckpoint, tiny_text_config
 
 # Size fields of vLLM's own encoder configs, where a sub-config has them: DeepseekVLV2's VisionEncoderConfig
@@ -194,6 +195,6 @@ def tiny_multimodal_config(architecture: str, model_cls: type) -> HubLayoutConfi
         if not hasattr(part, "tie_word_embeddings"):  # transformers 5's base config has none; vLLM's models read it
             part.tie_word_embeddings = False
     config.architectures = [architecture]
-    config.dtype = "float32"
+    set_float32(config)  # issue 34: the field older transformers reads and saves (config_dtype.py)
     saved = _hub_layout(architecture, model_type, config)
     return HubLayoutConfig(_read_back(model_type, config_cls, config, saved), saved)

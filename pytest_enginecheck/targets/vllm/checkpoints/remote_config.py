@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pytest_enginecheck.targets.vllm.checkpoints.config_dtype import set_float32
 from pytest_enginecheck.targets.vllm.checkpoints.shrink import (
     TINY_SIZES,
     NoTinyCheckpoint,
@@ -324,7 +325,7 @@ class RemoteConfig:
         exec(compile(self.source, MODULE_FILE, "exec"), namespace)  # the module this file just wrote
         config = namespace[CLASS_NAME]()
         config.architectures = [self.architecture]
-        config.dtype = "float32"
+        set_float32(config)  # issue 34: the field older transformers reads and saves (config_dtype.py)
         config.auto_map = dict(AUTO_MAP)
         return config
 

