@@ -46,11 +46,11 @@ def test_a_decode_only_scratch_over_the_budget_fails_naming_the_decode_steps(bud
     message = result["message"]
     assert message.startswith(f"DecodeScratchLlamaForCausalLM at tensor_parallel_size={tp} fits the budget at "
                               f"startup but not while serving requests: "), message
-    for rank in range(tp):
+    for rank in range(tp):  # at TP=2 a rank may hold a collective's tensor gloo frees late (a KiB or so)
         assert re.search(rf"rank {rank} needs 768\.\d\d MiB in decode steps \(weights [\d.]+ KiB, activations "
-                         rf"768\.\d\d MiB where the profile run measured [\d.]+ MiB, other 0 B held from earlier "
-                         rf"steps, KV [\d.]+ KiB for one request of max_model_len 128, buffers \d+ B\) but the budget "
-                         rf"is 512\.00 MiB", message), message
+                         rf"768\.\d\d MiB where the profile run measured [\d.]+ MiB, other [\d.]+ (?:B|KiB) held "
+                         rf"from earlier steps, KV [\d.]+ KiB for one request of max_model_len 128, buffers \d+ B\) "
+                         rf"but the budget is 512\.00 MiB", message), message
         peaks = result["detail"]["workload_per_rank"][rank]["peaks"]
         assert peaks["decode"]["activations"] >= DECODE_SCRATCH > peaks["prefill"]["activations"]
     assert "in prefill steps" not in message
