@@ -188,5 +188,6 @@ def test_every_engine_check_fails_on_what_its_engine_left(in_child: Any, tmp_pat
     assert result.startswith(f"{architecture} started, generated and shut down at tensor_parallel_size=1 (float32), "
                              f"but left behind: "), result
     assert left in result, result
-    running = subprocess.run(["pgrep", "-f", "sleep 613"], capture_output=True, text=True).stdout.split()
+    # the whole command line (this test's own id, in its xdist worker's title, has the words too)
+    running = subprocess.run(["pgrep", "-f", "^sleep 613$"], capture_output=True, text=True).stdout.split()
     assert not running, f"the helper process was left running: {running}"

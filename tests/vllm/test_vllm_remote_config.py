@@ -83,7 +83,7 @@ RULES = {
     "BailingMoeV2_5ForCausalLM": {"layer_group_size": 2, "use_bias": False, "use_qkv_bias": False,
                                   "model_type": "bailing_hybrid", "kv_lora_rank": 512, "head_dim": 64},
     "BailingMoeV3ForCausalLM": {"model_type": "bailing_hybrid", "kv_lora_rank": 512, "qk_rope_head_dim": 64},
-    "K2HorizonForCausalLM": {"router_score_func": "softmax", "mova_num_experts": 0, "rope_head_dim": 16},
+    "K2HorizonForCausalLM": {"router_score_func": "softmax", "mova_num_experts": 0, "rope_head_dim": 32},
     # a LlamaForCausalLM whose config is not Llama's (checkpoints.foreign_base): the names its attribute_map maps to,
     # its weights under the hub's query/key/value names (its mapper's orig_to_new_stacked); load[tp=1] passes
     "TeleChat2ForCausalLM": {"n_head": 2, "n_layer": 2, "ffn_hidden_size": 128},
