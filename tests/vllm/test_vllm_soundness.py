@@ -6,26 +6,15 @@ from typing import Any
 
 import pytest
 
-from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
+from pytest_enginecheck.checks import CheckContext, CheckFailure
 from pytest_enginecheck.settings import Settings
 
 
 def _load(workdir: str, architecture: str, tp: int, plugins: str = "clean,layer1_shard") -> Any:
-    """load[tp=N] of ``architecture`` from the test plugins: the passing detail, (message, detail) of the failure, or
-    the reason of a skip."""
-    import os
+    """load[tp=N] of ``architecture`` from the test plugins (``load_check.load``)."""
+    from tests.vllm.load_check import load
 
-    from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
-
-    os.environ["VLLM_PLUGINS"] = plugins
-    ctx = CheckContext(check="load", spec="vllm", architecture=architecture, module="", class_name="",
-                       workdir=workdir, tp=tp, options=Settings(budget_memory="512MiB", timeout=300.0))
-    try:
-        return CHECK_FUNCTIONS["load"](ctx)
-    except CheckFailure as e:
-        return e.message, e.detail
-    except CheckSkip as e:
-        return str(e)
+    return load(workdir, architecture, tp, plugins)
 
 
 def test_load_tp2_names_the_layer1_down_proj_that_keeps_rank0s_columns(in_child: Any, tmp_path: Any) -> None:

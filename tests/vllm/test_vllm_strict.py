@@ -9,30 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_enginecheck.checks import CheckContext, CheckFailure, CheckSkip
-from pytest_enginecheck.settings import Settings
-
 PLUGINS = "strict_cuda"
 MODULE = "ectp/models/strict_cuda.py"
 MODULE_NAME = "ectp.models.strict_cuda"  # the registry's, as a session's items carry it
 
 
 def _strict_load(workdir: str, architecture: str, tp: int) -> Any:
-    """load[tp=N] of ``architecture`` under --enginecheck-strict: the passing detail, (message, detail) of the
-    failure, or the reason of a skip."""
-    import os
+    """load[tp=N] of ``architecture`` under --enginecheck-strict (``load_check.load``)."""
+    from tests.vllm.load_check import load
 
-    from pytest_enginecheck.targets.vllm.checks import CHECK_FUNCTIONS
-
-    os.environ["VLLM_PLUGINS"] = PLUGINS
-    ctx = CheckContext(check="load", spec="vllm", architecture=architecture, module=MODULE_NAME, class_name="",
-                       workdir=workdir, tp=tp, options=Settings(budget_memory="512MiB", timeout=300.0, strict=True))
-    try:
-        return CHECK_FUNCTIONS["load"](ctx)
-    except CheckFailure as e:
-        return e.message, e.detail
-    except CheckSkip as e:
-        return str(e)
+    return load(workdir, architecture, tp, PLUGINS, strict=True, module=MODULE_NAME)
 
 
 def test_load_tp1_under_strict_fails_a_cuda_query_in_layer1s_forward_naming_rank_file_and_line(
