@@ -71,6 +71,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def warm_children_as_a_session_does(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The children of ``in_child`` start from a warm parent prepared as a ``--enginecheck-target=vllm`` session with
+    engine checks prepares its own (``VllmTarget.warm_parent_modules``): vLLM's ``LLM`` imported and its compiled
+    helpers compiled once, so a test pays neither the import nor the compilation again (about 6 s and 2 to 12 s a
+    test). One inductor cache serves the tier; vLLM's own cache stays each check's (``redirect_caches``): a shared
+    one would answer the registry's subprocess inspection from disk, and its tests need the subprocess."""
+    if not HAS_VLLM:
+        return
+    from engine_ref.isolation import add_preload_modules
+    from pytest_enginecheck.targets.vllm import ENGINE_CHECKS, target
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("torchinductor")))
+    add_preload_modules(*target("vllm").warm_parent_modules(ENGINE_CHECKS))
+
+
 @pytest.fixture(scope="session")
 def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A temp site dir holding the test plugin distributions (see plugin_dist)."""

@@ -115,7 +115,8 @@ class VllmTarget(RegistryTarget):
 
     def warm_parent_modules(self, checks: tuple[str, ...], strict: bool = False) -> tuple[str, ...]:
         """``warm``, which imports the preload derived from the target (``preload``, cached on disk) under the guard
-        (strict with ``--enginecheck-strict``), and vLLM's ``LLM`` when an engine check runs."""
+        (strict with ``--enginecheck-strict``), and vLLM's ``LLM`` when an engine check runs; then ``engine.warm``,
+        which compiles vLLM's small compiled helpers for the ranks."""
         from pytest_enginecheck.targets.vllm.describe.preload import (
             PRELOAD_STRICT_VARIABLE,
             PRELOAD_VARIABLE,
@@ -127,7 +128,8 @@ class VllmTarget(RegistryTarget):
         if set(checks) & set(ENGINE_CHECKS):
             names.append("vllm.entrypoints.llm")
         os.environ[PRELOAD_VARIABLE] = ",".join([*names, "pytest_enginecheck.targets.vllm.checks"])
-        return ("pytest_enginecheck.targets.vllm.describe.warm",)
+        engine = ("pytest_enginecheck.targets.vllm.engine.warm",) if set(checks) & set(ENGINE_CHECKS) else ()
+        return ("pytest_enginecheck.targets.vllm.describe.warm", *engine)
 
 
 def target(spec: str) -> VllmTarget:
