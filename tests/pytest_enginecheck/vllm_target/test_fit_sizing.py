@@ -39,8 +39,10 @@ def test_the_activation_peak_is_the_larger_of_the_dummy_forward_and_the_sampler_
 
 def test_a_measured_peak_is_the_estimate_with_the_stated_cuda_range_and_says_so() -> None:
     peak = measured_activation_peak(3_303_055_360, max_num_batched_tokens=8192, max_num_seqs=1024)
-    low, high = MEASURED_RANGE
-    assert (peak.low, peak.estimate, peak.high) == (int(3_303_055_360 * low), 3_303_055_360, int(3_303_055_360 * high))
+    low, middle, high = MEASURED_RANGE
+    assert (peak.low, peak.estimate, peak.high) == (int(3_303_055_360 * low), int(3_303_055_360 * middle),
+                                                    int(3_303_055_360 * high))
+    assert "3.08 GiB, x0.75 (x0.5 to x1.6)" in peak.basis
     assert peak.low < peak.estimate < peak.high
     assert peak.basis.startswith(MEASURED) and "max_num_batched_tokens=8192" in peak.basis and "1024 rows" in peak.basis
     assert GpuTerms(peak, non_torch(4), cuda_graphs(True)).activation_peak_source == MEASURED
@@ -61,6 +63,8 @@ def test_the_constant_terms_depend_on_tp_and_enforce_eager_only() -> None:
     assert (graphs.low, graphs.estimate, graphs.high) == CUDA_GRAPHS
     for term in (non_torch(1), non_torch(4), graphs):
         assert 0 < term.low < term.estimate < term.high
+    # a vLLM that does not subtract its graphs (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0, before 0.21)
+    assert cuda_graphs(enforce_eager=False, estimated=False).estimate == 0
 
 
 def test_requested_memory_is_vllms_ceiling_of_total_times_utilization() -> None:

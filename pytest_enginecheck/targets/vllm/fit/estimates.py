@@ -9,10 +9,10 @@ stated value and the range [low, high] it stands for. Every printed figure deriv
 
 The activation peak is measured where it can be (``measured_activation_peak``): vLLM's own profile run on the rank's
 full-size model on fake tensors (``profile_run.py``), the torch allocator's exact bytes with the CPU platform's ops;
-the range (``MEASURED_RANGE``) is what CUDA's other kernels and allocator may make of it. Where the fake run fails,
-a formula stands in (``activation_peak``, labelled "formula estimate"): from the rank's own layer shapes
-(``ProfileShapes``, read off the meta build), the largest set of tensors that must coexist in one layer of the dummy
-forward at ``max_num_batched_tokens`` tokens, or in the dummy sampler run over ``max_num_seqs`` rows of logits,
+``MEASURED_RANGE`` scales it to what published GPU runs measured (CUDA's kernels keep other intermediates). Where
+the fake run fails, a formula stands in (``activation_peak``, labelled "formula estimate"): from the rank's own layer
+shapes (``ProfileShapes``, read off the meta build), the largest set of tensors that must coexist in one layer of the
+dummy forward at ``max_num_batched_tokens`` tokens, or in the dummy sampler run over ``max_num_seqs`` rows of logits,
 whichever is larger; its range is half to twice that (kernel scratch, attention workspaces and allocator rounding are
 not counted, a fused kernel keeps less). The other two are constants (``NON_TORCH``, ``CUDA_GRAPHS``) from vLLM's
 published startup logs (``docs/fit.md``).
@@ -61,21 +61,25 @@ class ProfileShapes:
 
 
 # Non-torch memory one rank gains from the worker's start to the end of the profile run (vLLM's non_torch_increase):
-# cuBLAS and NCCL workspaces at TP=1, plus NCCL's and custom all-reduce's buffers at TP>1. Logs vLLM users posted:
-# 0.25 GiB at TP=2 without P2P (vllm-project/vllm#13061); docs/fit.md lists them.
+# cuBLAS and NCCL workspaces at TP=1, plus NCCL's and custom all-reduce's buffers at TP>1. Published logs: 0.24 to
+# 0.27 GiB at TP=1 and 2.06 to 2.13 GiB at TP 2 and 4 on H100s (llm-d-planner's vLLM 0.19 runs), 0.25 GiB at TP=2
+# on RTX 4090s without P2P (vllm-project/vllm#13061); docs/fit.md lists them.
 NON_TORCH = {1: (int(0.1 * GiB), int(0.25 * GiB), int(0.6 * GiB)),
-             2: (int(0.2 * GiB), int(0.5 * GiB), int(1.5 * GiB))}  # key 2: any TP > 1
-# vLLM's CUDA-graph memory estimate (profile_cudagraph_memory), subtracted by default: it grows with the number of
-# capture sizes (up to 512 by default) and layers; 0 with --enforce-eager.
-CUDA_GRAPHS = (int(0.1 * GiB), int(0.5 * GiB), int(2 * GiB))
+             2: (int(0.2 * GiB), int(2.07 * GiB), int(2.5 * GiB))}  # key 2: any TP > 1
+# vLLM's CUDA-graph memory estimate (profile_cudagraph_memory), subtracted by default since vLLM 0.21: it grows with
+# the number of capture sizes (up to 512 by default) and layers; 0 with --enforce-eager. Published: 0.61 to 1.69 GiB
+# estimated, 0.51 to 1.85 GiB captured (llm-d-planner's vLLM 0.19 runs on H100s).
+CUDA_GRAPHS = (int(0.3 * GiB), int(0.9 * GiB), int(2 * GiB))
+ESTIMATE_CUDA_GRAPHS = "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"  # vLLM's switch for subtracting it
 
 
-# How a peak measured on fake tensors (the CPU platform's ops, exact storage bytes) may differ on CUDA, as factors:
-# lower where CUDA fuses what the CPU build runs natively (RMSNorm's float32 intermediates) or samples without
-# sorting the logits (FlashInfer's top-k/top-p, where the CPU sorts a float32 copy and its int64 indices: most of a
-# large vocabulary's peak); higher by the caching allocator's rounding (512 B a block) and any op whose CUDA kernel
-# keeps a scratch tensor the CPU one does not. Not checked against a GPU run (docs/fit.md).
-MEASURED_RANGE = (0.5, 1.25)
+# How a peak measured on fake tensors (the CPU platform's ops, exact storage bytes) compares with the torch peak
+# vLLM measures on CUDA, as factors of it: (low, estimate, high). Published H100 runs (llm-d-planner's vLLM 0.19,
+# docs/fit.md) give 0.62 and 0.63 for dense models, whose peak is the dummy sampler run (the CPU's top-k/top-p keeps
+# more copies of the logits than CUDA's), 0.76 and 0.81 for MoE and MLA models, and 1.51 for Mixtral at TP=2 (CUDA's
+# fused-MoE intermediate caches, which the CPU's expert kernel does not keep); the estimate is their middle, the range
+# holds them all.
+MEASURED_RANGE = (0.5, 0.75, 1.6)
 MEASURED = "measured on fake tensors"
 FORMULA = "formula estimate"
 
@@ -83,12 +87,13 @@ FORMULA = "formula estimate"
 def measured_activation_peak(peak: int, max_num_batched_tokens: int, max_num_seqs: int) -> Estimate:
     """The profile run's torch activation peak on one rank as measured on fake tensors (``profile_run.measure``),
     with the range MEASURED_RANGE gives it on CUDA."""
-    low, high = MEASURED_RANGE
+    low, middle, high = MEASURED_RANGE
     rows = min(max_num_seqs, max_num_batched_tokens)
-    return Estimate(int(peak * low), peak, int(peak * high),
+    return Estimate(int(peak * low), int(peak * middle), int(peak * high),
                     f"{MEASURED}: vLLM's profile run (dummy forward at max_num_batched_tokens="
                     f"{max_num_batched_tokens}, dummy sampler run over {rows} rows) with the CPU platform's ops, "
-                    f"x{low:g} to x{high:g} for CUDA's kernels and allocator")
+                    f"{peak / GiB:.2f} GiB, x{middle:g} (x{low:g} to x{high:g}) for CUDA's kernels as published GPU "
+                    f"runs measured them")
 
 
 def activation_peak(shapes: ProfileShapes, max_num_batched_tokens: int, max_num_seqs: int,
@@ -118,9 +123,13 @@ def non_torch(tensor_parallel_size: int) -> Estimate:
                                     f"custom all-reduce buffers)")
 
 
-def cuda_graphs(enforce_eager: bool) -> Estimate:
-    """vLLM's CUDA-graph memory estimate per rank (CUDA_GRAPHS); exactly 0 with enforce_eager."""
+def cuda_graphs(enforce_eager: bool, estimated: bool = True) -> Estimate:
+    """vLLM's CUDA-graph memory estimate per rank (CUDA_GRAPHS); exactly 0 with enforce_eager, or where vLLM does not
+    subtract it (``estimated`` False: VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0, or a release before 0.21, whose
+    graphs are captured in the memory left after the KV cache)."""
     if enforce_eager:
         return Estimate.exact(0, "enforce_eager: no CUDA graphs")
+    if not estimated:
+        return Estimate.exact(0, f"not subtracted: {ESTIMATE_CUDA_GRAPHS}=0 or a vLLM before 0.21")
     low, mid, high = CUDA_GRAPHS
-    return Estimate(low, mid, high, "constant (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1, vLLM's default)")
+    return Estimate(low, mid, high, f"constant ({ESTIMATE_CUDA_GRAPHS}=1, vLLM's default)")

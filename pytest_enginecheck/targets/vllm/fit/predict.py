@@ -26,6 +26,7 @@ from pytest_enginecheck.targets.vllm.fit.engine_config import (
     read_config,
 )
 from pytest_enginecheck.targets.vllm.fit.estimates import (
+    ESTIMATE_CUDA_GRAPHS,
     Estimate,
     activation_peak,
     cuda_graphs,
@@ -104,6 +105,14 @@ def import_vllm() -> float:
     return time.perf_counter() - start
 
 
+def _estimates_cuda_graphs() -> bool:
+    """Whether this vLLM subtracts its CUDA-graph estimate from the KV cache's memory: its
+    ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`` (on by default since 0.21; a release without the variable does not)."""
+    import vllm.envs as envs
+
+    return bool(getattr(envs, ESTIMATE_CUDA_GRAPHS, False))
+
+
 def _predict(model_dir: Path, label: str, args: ServeArgs, total: int, ranks: Iterable[int] | None) -> FitReport:
     from pytest_enginecheck.targets.vllm.fit.kv_cache import kv_fit, kv_layout
     from pytest_enginecheck.targets.vllm.fit.rank_model import build_rank
@@ -122,7 +131,7 @@ def _predict(model_dir: Path, label: str, args: ServeArgs, total: int, ranks: It
         peak = (measured_activation_peak(model.activation_peak, batched, seqs) if model.activation_peak is not None
                 else activation_peak(model.profile, batched, seqs, model.activation_peak_unmeasured))
         terms = GpuTerms(peak, non_torch(tp),
-                         cuda_graphs(bool(vllm_config.model_config.enforce_eager)))
+                         cuda_graphs(bool(vllm_config.model_config.enforce_eager), _estimates_cuda_graphs()))
         available = available_kv_cache_memory(total, cache.gpu_memory_utilization,
                                               model.weights_bytes + model.buffers_bytes, terms)
         low, mid, high = (kv_fit(vllm_config, model.kv_cache_spec, layout, a, bound)
