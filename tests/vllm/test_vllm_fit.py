@@ -86,21 +86,30 @@ def _real_rank(ckpt: str, tp: int, rank: int, port: int, conn: Any, dtype: str) 
 def _real_ranks(ckpt: str, tp: int, dtype: str) -> list[dict[str, Any]]:
     import multiprocessing
 
+    from pytest_enginecheck.targets.vllm.engine.ranks import _remove_left_shm, _shm_entries
     from pytest_enginecheck.targets.vllm.probe import engine_api
 
     context = multiprocessing.get_context("fork")
     port = engine_api().get_open_port()
     pipes = [context.Pipe(duplex=False) for _ in range(tp)]
     procs = [context.Process(target=_real_rank, args=(ckpt, tp, r, port, pipes[r][1], dtype)) for r in range(tp)]
+    before = _shm_entries()
     for p in procs:
         p.start()
     answers = []
-    for (receive, send), p in zip(pipes, procs, strict=True):
-        send.close()
-        if not receive.poll(240):
-            raise TimeoutError(f"a real rank of {ckpt} at TP={tp} did not answer")
-        answers.append(receive.recv())
-        p.join(30)
+    try:
+        for (receive, send), p in zip(pipes, procs, strict=True):
+            send.close()
+            if not receive.poll(240):
+                raise TimeoutError(f"a real rank of {ckpt} at TP={tp} did not answer")
+            answers.append(receive.recv())
+            p.join(30)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+        # the ranks left by os._exit: their TP group's shared memory (vLLM's CPU all-reduce, its broadcast queue)
+        _remove_left_shm(before)
     errors = [a[1] for a in answers if a[0] != "ok"]
     if errors:
         raise RuntimeError(f"vLLM's real model of {ckpt} at TP={tp}: {errors}")
