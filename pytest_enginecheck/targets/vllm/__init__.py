@@ -125,11 +125,12 @@ class VllmTarget(RegistryTarget):
 
         os.environ[PRELOAD_STRICT_VARIABLE] = "1" if strict else "0"
         names = preload_modules()
-        if set(checks) & set(ENGINE_CHECKS):
+        engine = bool(set(checks) & set(ENGINE_CHECKS))
+        if engine:
             names.append("vllm.entrypoints.llm")
         os.environ[PRELOAD_VARIABLE] = ",".join([*names, "pytest_enginecheck.targets.vllm.checks"])
-        engine = ("pytest_enginecheck.targets.vllm.engine.warm",) if set(checks) & set(ENGINE_CHECKS) else ()
-        return ("pytest_enginecheck.targets.vllm.describe.warm", *engine)
+        return ("pytest_enginecheck.targets.vllm.describe.warm",
+                *(("pytest_enginecheck.targets.vllm.engine.warm",) if engine else ()))
 
 
 def target(spec: str) -> VllmTarget:

@@ -124,14 +124,14 @@ def _predict(model_dir: Path, label: str, args: ServeArgs, total: int, ranks: It
     batched, seqs = scheduler.max_num_batched_tokens, scheduler.max_num_seqs
     fits: list[RankFit] = []
     peaks: dict[object, int | str] = {}
+    graphs = cuda_graphs(bool(vllm_config.model_config.enforce_eager), _estimates_cuda_graphs())
     for r in range(tp) if ranks is None else ranks:
         model = build_rank(vllm_config, r, peaks=peaks,
                            requested=requested_memory(total, cache.gpu_memory_utilization))
         layout = kv_layout(vllm_config, model.kv_cache_spec)
         peak = (measured_activation_peak(model.activation_peak, batched, seqs) if model.activation_peak is not None
                 else activation_peak(model.profile, batched, seqs, model.activation_peak_unmeasured))
-        terms = GpuTerms(peak, non_torch(tp),
-                         cuda_graphs(bool(vllm_config.model_config.enforce_eager), _estimates_cuda_graphs()))
+        terms = GpuTerms(peak, non_torch(tp), graphs)
         available = available_kv_cache_memory(total, cache.gpu_memory_utilization,
                                               model.weights_bytes + model.buffers_bytes, terms)
         low, mid, high = (kv_fit(vllm_config, model.kv_cache_spec, layout, a, bound)
