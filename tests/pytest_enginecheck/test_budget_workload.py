@@ -48,11 +48,13 @@ def test_a_decode_only_scratch_over_the_budget_fails_naming_the_decode_steps(bud
                               f"startup but not while serving requests: "), message
     for rank in range(tp):  # at TP=2 a rank may hold a collective's tensor gloo frees late (a KiB or so)
         assert re.search(rf"rank {rank} needs 768\.\d\d MiB in decode steps \(weights [\d.]+ KiB, activations "
-                         rf"768\.\d\d MiB where the profile run measured [\d.]+ MiB, other [\d.]+ (?:B|KiB) held "
-                         rf"from earlier steps, KV [\d.]+ KiB for one request of max_model_len 128, buffers \d+ B\) "
-                         rf"but the budget is 512\.00 MiB", message), message
-        peaks = result["detail"]["workload_per_rank"][rank]["peaks"]
-        assert peaks["decode"]["activations"] >= DECODE_SCRATCH > peaks["prefill"]["activations"]
+                         rf"(?:767\.9\d|768\.\d\d) MiB where the profile run measured [\d.]+ MiB, "
+                         rf"other [\d.]+ (?:B|KiB) held from earlier steps, KV [\d.]+ KiB for one request of "
+                         rf"max_model_len 128, buffers \d+ B\) but the budget is 512\.00 MiB", message), message
+        peaks, late = result["detail"]["workload_per_rank"][rank]["peaks"], result["detail"]["leak_tolerance"]
+        # a held collective tensor gloo frees during the step lowers "activations" (peak - held at its start) by it
+        assert peaks["decode"]["activations"] >= DECODE_SCRATCH - late
+        assert peaks["prefill"]["activations"] < DECODE_SCRATCH
     assert "in prefill steps" not in message
 
 
