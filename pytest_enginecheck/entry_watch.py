@@ -172,13 +172,15 @@ def maker(pid: int, root: int) -> str:
 
 @dataclass(frozen=True)
 class MadeEntries:
-    """What an EntryWatch found: the entries still there that the tree made (``ours``) and those whose maker it
-    could not tell (``unattributed``, with why), as paths; the directories watched, and why the others were not."""
+    """What an EntryWatch found: the entries still there that the tree made (``ours``), those whose maker it could
+    not tell (``unattributed``, with why) and those another process made (``foreign``), as paths; the directories
+    watched, and why the others were not."""
 
     ours: tuple[str, ...] = ()
     unattributed: dict[str, str] = field(default_factory=dict)
     watched: tuple[str, ...] = ()
     not_watched: dict[str, str] = field(default_factory=dict)
+    foreign: tuple[str, ...] = ()
 
     def summary(self) -> dict[str, object]:
         """For a check's detail: what was watched, what not and why, what could not be attributed."""
@@ -272,7 +274,7 @@ class EntryWatch:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         known = set(also_ours)
-        ours, unattributed = [], {}
+        ours, unattributed, foreign = [], {}, []
         for (directory, name), (who, pid) in sorted(self._made.items()):
             path = os.path.join(directory, name)
             if not os.path.lexists(path):
@@ -280,7 +282,7 @@ class EntryWatch:
             if who == OURS or pid in known:
                 ours.append(path)
             elif who == FOREIGN:
-                continue
+                foreign.append(path)
             elif who == EXITED:
                 unattributed[path] = f"made by pid {pid}, which had exited before it could be told whose it was"
             else:
@@ -289,4 +291,4 @@ class EntryWatch:
         for directory in sorted(self._overflowed):
             not_watched[directory] = "fanotify's event queue overflowed, so an entry made meanwhile may be missed"
         watched = tuple(d for d in self.directories if d not in not_watched)
-        return MadeEntries(tuple(ours), unattributed, watched, not_watched)
+        return MadeEntries(tuple(ours), unattributed, watched, not_watched, tuple(foreign))

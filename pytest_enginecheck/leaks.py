@@ -75,6 +75,8 @@ def _listening_inodes() -> set[str]:
     return inodes
 
 
+SHM_DIR = "/dev/shm"  # POSIX shared memory: segments (shm_open, Python's SharedMemory) and named semaphores
+
 # Per-user caches that torch creates in the temp dir on first use and keeps on purpose.
 _PERSISTENT_CACHES = ("torchinductor_",)
 
@@ -95,7 +97,7 @@ def unowned_shm_entries(ours: set[int] | None = None) -> set[str]:
     holds open or mapped: /dev/shm is machine-wide, and a segment another program is using (torch's
     ``psm_*``, multiprocessing's ``sem.mp-*``) is not this engine's leak; a leaked one is held by no one."""
     ours = {os.getpid(), *descendants(os.getpid())} if ours is None else ours
-    entries = _inodes("/dev/shm")
+    entries = _inodes(SHM_DIR)
     held = _held_shm_inodes(ours)
     return {name for name, inode in entries.items() if inode not in held}
 
@@ -116,7 +118,7 @@ def remove_left_segments(names: Iterable[str]) -> list[str]:
     removed = []
     for name in sorted(set(names) & unheld):
         try:
-            os.unlink(os.path.join("/dev/shm", name))
+            os.unlink(os.path.join(SHM_DIR, name))
         except OSError:
             continue
         removed.append(name)
@@ -144,14 +146,18 @@ def _held_shm_inodes(ours: set[int]) -> set[int]:
 
 
 class ForeignShmWatch:
-    """While an engine runs: the /dev/shm entries that appeared and that a process outside this one's tree held at
-    some moment. Another program that creates a segment and leaves it unheld before the engine stops (vLLM's ranks
-    leaving by os._exit, torch's ``psm_*``) would otherwise read as this engine's leak; a segment only this tree
-    ever held, or one nobody was seen holding, stays ours. Polled every ``interval_s`` in a daemon thread, and
-    costs a /proc scan only when a new entry is there."""
+    """While an engine runs: the /dev/shm entries that appeared and that are another program's, by either of two
+    signs. The kernel named their maker, a process outside this one's tree (an EntryWatch on /dev/shm: fanotify,
+    where this process may read it); or a process outside the tree held them at some moment (polled every
+    ``interval_s`` in a daemon thread, a /proc scan only when a new entry is there). Another program's segment left
+    unheld before the engine stops (another pytest-xdist worker's vLLM ranks leaving by os._exit, torch's ``psm_*``)
+    would otherwise read as this engine's leak; a segment this tree made, or one neither sign marks, stays ours."""
 
     def __init__(self, interval_s: float = 0.05) -> None:
-        self._before = set(_inodes("/dev/shm").values())
+        from pytest_enginecheck.entry_watch import EntryWatch
+
+        self._made = EntryWatch([SHM_DIR])
+        self._before = set(_inodes(SHM_DIR).values())
         self._foreign: set[int] = set()
         self._looking = threading.Lock()  # held while a look has /proc files open
         self._stop = threading.Event()
@@ -166,7 +172,7 @@ class ForeignShmWatch:
     def look(self) -> None:
         """Record which of the entries new since the start a process outside this tree holds now."""
         with self._looking:
-            new = set(_inodes("/dev/shm").values()) - self._before - self._foreign
+            new = set(_inodes(SHM_DIR).values()) - self._before - self._foreign
             if new:
                 self._foreign |= new & _held_shm_inodes({os.getpid(), *descendants(os.getpid())})
 
@@ -174,15 +180,17 @@ class ForeignShmWatch:
     def paused(self) -> Iterator[None]:
         """No look while the block runs: a snapshot of this process's file descriptors taken in it does not see
         the /proc files a look holds open."""
-        with self._looking:
+        with self._looking, self._made.paused():
             yield
 
     def foreign(self) -> set[int]:
-        """Stop the polling, look once more and return the inodes seen held outside this tree."""
+        """Stop watching, look once more and return the inodes of the new entries another program made or held."""
         self._stop.set()
         self._thread.join()
         self.look()
-        return set(self._foreign)
+        made = _inodes(SHM_DIR)
+        return self._foreign | {made[name] for name in map(os.path.basename, self._made.stop().foreign)
+                                if name in made}
 
 
 def _inodes(path: str) -> dict[str, int]:
@@ -219,11 +227,12 @@ class ResourceSnapshot:
     def take(cls, watch: bool = False) -> ResourceSnapshot:
         """What this process owns now; with ``watch``, the snapshot to compare the end of an engine's run with
         (``leaked_since``): /dev/shm is watched from now on (ForeignShmWatch)."""
-        fds = _fds()  # before the watch starts: its looks hold /proc files open
         shm_watch = ForeignShmWatch() if watch else None
+        with shm_watch.paused() if shm_watch is not None else contextlib.nullcontext():
+            fds = _fds()  # with the watch's own descriptors, as at the end; not the /proc files its looks open
         own_sockets = {target[8:-1] for target in fds.values() if target.startswith("socket:[")}
         return cls(frozenset(descendants(os.getpid())), fds, frozenset(own_sockets & _listening_inodes()),
-                   frozenset(temp_entries()), frozenset(_listdir("/dev/shm")), shm_watch)
+                   frozenset(temp_entries()), frozenset(_listdir(SHM_DIR)), shm_watch)
 
     def leaked_since(self, before: ResourceSnapshot, ignore_regular_files: bool = False) -> list[str]:
         """Plain descriptions of what exists now but did not before.
@@ -246,7 +255,7 @@ class ResourceSnapshot:
         if new_shm:
             new_shm &= unowned_shm_entries()
         if new_shm and before.shm_watch is not None:
-            foreign, inodes = before.shm_watch.foreign(), _inodes("/dev/shm")
+            foreign, inodes = before.shm_watch.foreign(), _inodes(SHM_DIR)
             new_shm = {name for name in new_shm if inodes.get(name) not in foreign}
         if new_shm:
             leaks.append(f"shared-memory segments {sorted(new_shm)} in /dev/shm")
