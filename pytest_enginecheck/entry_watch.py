@@ -273,6 +273,12 @@ class EntryWatch:
             for fd in (*self._groups, self._stop_r, self._stop_w):
                 with contextlib.suppress(OSError):
                     os.close(fd)
+        return self.made(also_ours)
+
+    def made(self, also_ours: Iterable[int] = ()) -> MadeEntries:
+        """What the watch found so far, the events waiting now read too; it goes on watching (``stop`` ends it)."""
+        if self._thread is not None:
+            self._read(list(self._groups))
         known = set(also_ours)
         ours, unattributed, foreign = [], {}, []
         for (directory, name), (who, pid) in sorted(self._made.items()):

@@ -183,14 +183,24 @@ class ForeignShmWatch:
         with self._looking, self._made.paused():
             yield
 
+    def seen(self) -> set[int]:
+        """Look once more and return the inodes of the new entries another program made or held so far; the watch
+        goes on (its descriptors stay open, as in the snapshot taken when it began)."""
+        self.look()
+        return self._foreign | _inodes_of(self._made.made().foreign)
+
     def foreign(self) -> set[int]:
         """Stop watching, look once more and return the inodes of the new entries another program made or held."""
         self._stop.set()
         self._thread.join()
         self.look()
-        made = _inodes(SHM_DIR)
-        return self._foreign | {made[name] for name in map(os.path.basename, self._made.stop().foreign)
-                                if name in made}
+        return self._foreign | _inodes_of(self._made.stop().foreign)
+
+
+def _inodes_of(paths: Iterable[str]) -> set[int]:
+    """The inode numbers of the /dev/shm entries at ``paths`` that are still there."""
+    now = _inodes(SHM_DIR)
+    return {now[name] for name in map(os.path.basename, paths) if name in now}
 
 
 def _inodes(path: str) -> dict[str, int]:
@@ -255,7 +265,7 @@ class ResourceSnapshot:
         if new_shm:
             new_shm &= unowned_shm_entries()
         if new_shm and before.shm_watch is not None:
-            foreign, inodes = before.shm_watch.foreign(), _inodes(SHM_DIR)
+            foreign, inodes = before.shm_watch.seen(), _inodes(SHM_DIR)
             new_shm = {name for name in new_shm if inodes.get(name) not in foreign}
         if new_shm:
             leaks.append(f"shared-memory segments {sorted(new_shm)} in /dev/shm")
