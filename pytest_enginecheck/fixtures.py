@@ -87,12 +87,14 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
     The engines get a private temp dir (TMPDIR) for the test. Under
     ``@pytest.mark.memory_budget(per_rank="512MiB")`` the engine's device memory defaults to the
-    budget, and the test fails when a rank needs more (weights + activations + KV of one request).
+    budget, and the test fails when a rank needs more (weights + activations + KV of one request)
+    at startup; the requests the test then serves are measured too (each rank's peak in prefill
+    and in decode steps), and teardown fails when one of them needed more than the budget.
     """
     from engine_ref.errors import KVCacheTooSmallError
     from engine_ref.isolation import ensure_warm_parent
     from engine_ref.utils import parse_size
-    from pytest_enginecheck.budget import budget_violations, describe_shortfall
+    from pytest_enginecheck.budget import budget_violations, describe_shortfall, workload_violations
     from pytest_enginecheck.leaks import ResourceSnapshot, wait_for_no_leaks
 
     budget_text = _marker_arg(request, "memory_budget", "per_rank")
@@ -129,14 +131,37 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             violations = budget_violations(llm.startup_report, budget) if budget is not None else []
         if violations:
             pytest.fail(f"memory_budget(per_rank={budget_text!r}): " + "; ".join(violations), pytrace=False)
+        if budget is not None:
+            llm.engine.executor.collective_rpc("track_step_memory")  # the test's requests: serving_violations
         return llm
 
+    def serving_violations(llm: Any, budget_bytes: int) -> list[str]:
+        """The ranks whose prefill or decode steps, in the requests the test served, needed more than the budget."""
+        from engine_ref.errors import EngineRefError
+
+        try:
+            workers = llm.engine.executor.worker_reports()
+        except EngineRefError:  # the engine is gone (the test stopped it, or it failed there): nothing to read
+            return []
+        if not any(w.workload is not None and w.workload.steps for w in workers):
+            return []
+        return workload_violations(llm.startup_report, workers, budget_bytes)
+
+    serving: list[str] = []
     try:
         yield start
     finally:
-        for llm in started:
-            llm.shutdown()
-        leaks = wait_for_no_leaks(before, ignore_regular_files=True)
-        monkeypatch.undo()
-    if leaks:
-        pytest.fail(f"the engine(s) this test started left behind: {'; '.join(leaks)}", pytrace=False)
+        try:
+            if budget is not None:
+                serving = [v for llm in started for v in serving_violations(llm, budget)]
+        finally:
+            for llm in started:
+                llm.shutdown()
+            leaks = wait_for_no_leaks(before, ignore_regular_files=True)
+            monkeypatch.undo()
+    failures = [f"the engine(s) this test started left behind: {'; '.join(leaks)}"] if leaks else []
+    if serving:
+        failures.insert(0, f"memory_budget(per_rank={budget_text!r}): the engine fits at startup but not while "
+                           f"serving this test's requests: {'; '.join(serving)}")
+    if failures:
+        pytest.fail(". ".join(failures), pytrace=False)
