@@ -1,10 +1,11 @@
-"""What several test modules share: the bundled architectures, small engine settings, and the
-process and checkpoint helpers the leak and sharding tests use. Test modules import from here,
-never from each other."""
+"""What several test modules share: the bundled architectures, small engine settings, the
+process and checkpoint helpers the leak and sharding tests use, and an engine_ref plugin
+distribution. Test modules import from here, never from each other."""
 
 from __future__ import annotations
 
 import math
+import textwrap
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -103,3 +104,15 @@ def zoo_loader(qualname: str, module: str = "engine_models") -> str:
     start = next(i for i, line in enumerate(lines) if line.startswith(f"class {classname}("))
     line = next(i for i, line in enumerate(lines) if i > start and line.strip().startswith(f"def {function}(")) + 1
     return f"{qualname} (zoo/{module}.py:{line})"
+
+
+def install_engine_ref_plugin(site: Path, module: str, entry_point: str, body: str) -> Path:
+    """Write plugin ``module`` (its ``register()`` runs ``body``) and its dist-info (entry point ``entry_point``)
+    into ``site``; returns ``site``."""
+    (site / f"{module}.py").write_text("def register():\n" + textwrap.indent(textwrap.dedent(body).strip(), "    ")
+                                       + "\n")
+    dist_info = site / f"{module}-1.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n")
+    (dist_info / "entry_points.txt").write_text(f"[engine_ref.general_plugins]\n{entry_point} = {module}:register\n")
+    return site

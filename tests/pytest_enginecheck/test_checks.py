@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from pytest_enginecheck.report import summary_mode, summary_table
-from tests.helpers import alive, zoo_loader
+from tests.helpers import alive, install_engine_ref_plugin, zoo_loader
 from tests.zoo_sessions import ROOT_CAUSES, TP_DIAGNOSIS, ZooSession, zoo_session
 
 # the fixture that reads a shared zoo session -> its name (started early: tests/zoo_sessions.py)
@@ -41,16 +41,11 @@ FOREIGN = "foreign_engine_ref_plugin"
 def install_foreign_plugin(site: Path) -> Path:
     """Lay out, in ``site``, another distribution's engine_ref plugin (as a user's environment may hold one):
     it registers one more architecture."""
-    (site / f"{FOREIGN}.py").write_text(
-        "def register():\n"
-        "    from engine_ref.model_executor.models.registry import ModelRegistry\n"
-        "    ModelRegistry.register_model('ForeignVendorForCausalLM', "
-        "'engine_ref.model_executor.models.llama:LlamaForCausalLM')\n")
-    dist_info = site / f"{FOREIGN}-1.0.dist-info"
-    dist_info.mkdir()
-    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {FOREIGN}\nVersion: 1.0\n")
-    (dist_info / "entry_points.txt").write_text(f"[engine_ref.general_plugins]\nforeign = {FOREIGN}:register\n")
-    return site
+    return install_engine_ref_plugin(site, FOREIGN, "foreign", """
+        from engine_ref.model_executor.models.registry import ModelRegistry
+        ModelRegistry.register_model('ForeignVendorForCausalLM',
+                                     'engine_ref.model_executor.models.llama:LlamaForCausalLM')
+    """)
 
 
 @pytest.fixture(autouse=True)

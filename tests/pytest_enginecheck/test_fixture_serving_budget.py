@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import install_engine_ref_plugin
 from tests.zoo_sessions import ZOO
 
 PLUGIN = "serving_budget_plugin"
@@ -43,25 +43,16 @@ def test_decode_scratch_without_a_budget(engine):
 """
 
 
-def install_plugin(site: Path) -> None:
-    """Another distribution's engine_ref plugin registering the planted model and its twin."""
-    (site / f"{PLUGIN}.py").write_text(
-        "def register():\n"
-        "    from engine_ref.model_executor.models.registry import ModelRegistry\n"
-        "    for name in ('DecodeScratchLlamaForCausalLM', 'FreedScratchLlamaForCausalLM'):\n"
-        "        ModelRegistry.register_model(name, f'zoo.planted_budget:{name}')\n")
-    dist_info = site / f"{PLUGIN}-1.0.dist-info"
-    dist_info.mkdir()
-    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {PLUGIN}\nVersion: 1.0\n")
-    (dist_info / "entry_points.txt").write_text(f"[engine_ref.general_plugins]\nserving = {PLUGIN}:register\n")
-
-
 def test_the_engine_fixture_holds_the_requests_a_test_serves_to_the_budget(pytester: pytest.Pytester,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     shutil.copytree(ZOO, pytester.path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
     site = pytester.path / "site"
     site.mkdir()
-    install_plugin(site)
+    install_engine_ref_plugin(site, PLUGIN, "serving", """
+        from engine_ref.model_executor.models.registry import ModelRegistry
+        for name in ('DecodeScratchLlamaForCausalLM', 'FreedScratchLlamaForCausalLM'):
+            ModelRegistry.register_model(name, f'zoo.planted_budget:{name}')
+    """)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), str(pytester.path),
                                                                    os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("ENGINE_REF_PLUGINS", "serving")
