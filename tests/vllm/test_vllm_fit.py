@@ -462,3 +462,21 @@ def test_a_vllm_that_resolves_no_platform_is_sized_with_its_cpu_platform_and_say
     assert driverless["platform"].startswith("platform: this vLLM resolves none here") and resolved["platform"] == ""
     for key in ("weights_bytes", "buffers_bytes", "kv_bytes_per_token"):
         assert driverless["ranks"][0][key] == resolved["ranks"][0][key], key
+
+
+def test_a_profile_run_that_fails_on_fake_tensors_falls_back_to_the_formula_quietly(tmp_path: Path) -> None:
+    """An fp8 checkpoint's linear layers run torch's scaled matmul, which fails on fake tensors here: the prediction
+    goes on with the formula and says why, and torch's log of the failing op (a traceback per op) is not printed."""
+    import subprocess
+    import sys
+
+    config = json.loads((ENGINE_REF_CONFIGS / "Qwen2-0.5B.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    done = subprocess.run([sys.executable, "-m", "pytest_enginecheck.fit", str(tmp_path), "--engine", "vllm",
+                           "--gpu-memory", "24GiB", "--max-model-len", "4096", "--json"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": "clean"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    peak = json.loads(done.stdout)["ranks"][0]["terms"]["activation_peak"]
+    assert peak["basis"].startswith("formula estimate (the fake run failed: RuntimeError: "), peak
+    assert "Traceback" not in done.stderr and "failed while attempting to run meta" not in done.stderr, done.stderr

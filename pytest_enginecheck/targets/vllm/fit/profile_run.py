@@ -215,12 +215,21 @@ def dummy_sampling_metadata(logits: Any) -> Any:
 
 def measure(vllm_config: Any, model: Any, registered: dict[str, Any], collectives: str = "cuda") -> int:
     """``profile_peak`` without torch's warning that vLLM's weight-reload bookkeeping asked a fake tensor for its data
-    pointer (its storage's identity, while a fused-MoE layer's kernel is made)."""
+    pointer (its storage's identity, while a fused-MoE layer's kernel is made), nor torch's log of an op that fails
+    on fake tensors."""
+    import logging
     import warnings
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        return profile_peak(vllm_config, model, registered, collectives)
+    # an op that fails on fake tensors is this run's FakeRunUnavailable (the formula stands in, its basis says why);
+    # torch logs each such failure with its traceback as an error besides
+    fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
+    was_disabled, fake_tensor_log.disabled = fake_tensor_log.disabled, True
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            return profile_peak(vllm_config, model, registered, collectives)
+    finally:
+        fake_tensor_log.disabled = was_disabled
 
 
 def profile_peak(vllm_config: Any, model: Any, registered: dict[str, Any], collectives: str = "cuda") -> int:
