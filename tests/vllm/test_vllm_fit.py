@@ -480,3 +480,21 @@ def test_a_profile_run_that_fails_on_fake_tensors_falls_back_to_the_formula_quie
     peak = json.loads(done.stdout)["ranks"][0]["terms"]["activation_peak"]
     assert peak["basis"].startswith("formula estimate (the fake run failed: RuntimeError: "), peak
     assert "Traceback" not in done.stderr and "failed while attempting to run meta" not in done.stderr, done.stderr
+
+
+def test_the_fit_inspects_the_class_it_builds_in_its_own_process(tmp_path: Path) -> None:
+    """vLLM's registry inspects a lazily registered class in a subprocess where its modelinfos cache has no entry
+    (7.5 s here, and written to that cache); the fit imports the class anyway, so vLLM inspects it in the fit's
+    process: nothing is written to an empty cache, and the prediction is the same."""
+    import subprocess
+    import sys
+
+    cache = tmp_path / "vllm-cache"
+    cache.mkdir()
+    done = subprocess.run([sys.executable, "-m", "pytest_enginecheck.fit", str(ENGINE_REF_CONFIGS / "Qwen2-0.5B.json"),
+                           "--engine", "vllm", "--gpu-memory", "24GiB", "--json"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": "clean",
+                                            "VLLM_CACHE_ROOT": str(cache)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["ranks"][0]["weights_bytes"] == 988_065_536  # bfloat16, as the exactness row
+    assert list(cache.rglob("*")) == [], "vLLM inspected the class in a subprocess (its modelinfos cache was written)"

@@ -107,6 +107,7 @@ def gpu_vllm_config(model_dir: Path, args: ServeArgs, gpu_memory: int) -> Any:
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         max_num_batched_tokens=args.max_num_batched_tokens or batched, max_num_seqs=args.max_num_seqs or seqs)
     architecture = config["architectures"][0]
+    inspect_here(config["architectures"])
     try:
         with making_config():
             vllm_config = engine_args(**kwargs).create_engine_config()
@@ -121,6 +122,26 @@ def gpu_vllm_config(model_dir: Path, args: ServeArgs, gpu_memory: int) -> Any:
     if hasattr(cache, "mamba_ssm_cache_dtype"):  # the CPU platform resets it to float32
         cache.mamba_ssm_cache_dtype = "auto"
     return vllm_config
+
+
+def inspect_here(architectures: list[str]) -> None:
+    """Register each of ``architectures`` with vLLM's registry as its class imported here (``register_model`` with the
+    class, vLLM's own call), so vLLM makes its ModelInfo in this process: for a lazily registered class it would start
+    a subprocess to inspect it wherever its cache (``~/.cache/vllm/modelinfos``, one file per class) was written by
+    another release, 7.5 s here. The fit imports the class in this process anyway, to build it; one that does not
+    import is left to vLLM, whose own inspection then says why."""
+    from pytest_enginecheck.targets.vllm.probe import probe
+
+    registry = probe().registry
+    for architecture in architectures:
+        entry = registry.models.get(architecture)
+        if entry is None or getattr(entry, "model_cls", None) is not None:
+            continue  # unknown (vLLM refuses it in its words), or imported already
+        try:
+            model_cls = entry.load_model_cls()
+        except Exception:  # noqa: BLE001 - vLLM's inspection reports it, as at startup
+            continue
+        registry.register_model(architecture, model_cls)
 
 
 def derived_max_model_len(vllm_config: Any) -> int:
