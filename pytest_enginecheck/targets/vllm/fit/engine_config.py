@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -141,7 +142,12 @@ def inspect_here(architectures: list[str]) -> None:
             model_cls = entry.load_model_cls()
         except Exception:  # noqa: BLE001 - vLLM's inspection reports it, as at startup
             continue
-        registry.register_model(architecture, model_cls)
+        log = logging.getLogger(type(registry).__module__)  # vLLM logs the overwrite (a warning in some releases)
+        was_disabled, log.disabled = log.disabled, True
+        try:
+            registry.register_model(architecture, model_cls)
+        finally:
+            log.disabled = was_disabled
 
 
 def derived_max_model_len(vllm_config: Any) -> int:
