@@ -94,7 +94,7 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     from engine_ref.errors import KVCacheTooSmallError
     from engine_ref.isolation import ensure_warm_parent
     from engine_ref.utils import parse_size
-    from pytest_enginecheck.budget import budget_violations, describe_shortfall, workload_violations
+    from pytest_enginecheck.budget import budget_violations, describe_shortfall
     from pytest_enginecheck.leaks import ResourceSnapshot, wait_for_no_leaks
 
     budget_text = _marker_arg(request, "memory_budget", "per_rank")
@@ -132,20 +132,8 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         if violations:
             pytest.fail(f"memory_budget(per_rank={budget_text!r}): " + "; ".join(violations), pytrace=False)
         if budget is not None:
-            llm.engine.executor.collective_rpc("track_step_memory")  # the test's requests: serving_violations
+            llm.engine.executor.collective_rpc("track_step_memory")  # the test's requests: _serving_violations
         return llm
-
-    def serving_violations(llm: Any, budget_bytes: int) -> list[str]:
-        """The ranks whose prefill or decode steps, in the requests the test served, needed more than the budget."""
-        from engine_ref.errors import EngineRefError
-
-        try:
-            workers = llm.engine.executor.worker_reports()
-        except EngineRefError:  # the engine is gone (the test stopped it, or it failed there): nothing to read
-            return []
-        if not any(w.workload is not None and w.workload.steps for w in workers):
-            return []
-        return workload_violations(llm.startup_report, workers, budget_bytes)
 
     serving: list[str] = []
     try:
@@ -153,7 +141,7 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     finally:
         try:
             if budget is not None:
-                serving = [v for llm in started for v in serving_violations(llm, budget)]
+                serving = [v for llm in started for v in _serving_violations(llm, budget)]
         finally:
             for llm in started:
                 llm.shutdown()
@@ -165,3 +153,18 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                            f"serving this test's requests: {'; '.join(serving)}")
     if failures:
         pytest.fail(". ".join(failures), pytrace=False)
+
+
+def _serving_violations(llm: Any, budget_bytes: int) -> list[str]:
+    """The ranks of ``llm`` whose prefill or decode steps, in the requests the test served, needed more than
+    ``budget_bytes``; none where it served nothing or is gone (the test stopped it, or it failed there)."""
+    from engine_ref.errors import EngineRefError
+    from pytest_enginecheck.budget import workload_violations
+
+    try:
+        workers = llm.engine.executor.worker_reports()
+    except EngineRefError:
+        return []
+    if not any(w.workload is not None and w.workload.steps for w in workers):
+        return []
+    return workload_violations(llm.startup_report, workers, budget_bytes)

