@@ -29,8 +29,10 @@ from tests.zoo_sessions import ZooSession, shared_dir, zoo_session
 
 ARGS = ("--enginecheck-target=zoo.leftovers_registry:REGISTRY", "--enginecheck-checks=load,startup",
         "--enginecheck-tp=2")
-BUGS = ("DecodeHelperLlamaForCausalLM", "DecodeThreadLlamaForCausalLM", "TmpFileLlamaForCausalLM")
-TWINS = ("JoinedHelperLlamaForCausalLM", "StoppedThreadLlamaForCausalLM", "RemovedTmpFileLlamaForCausalLM")
+BUGS = ("DecodeHelperLlamaForCausalLM", "DecodeThreadLlamaForCausalLM", "TmpFileLlamaForCausalLM",
+        "ShmSegmentLlamaForCausalLM")
+TWINS = ("JoinedHelperLlamaForCausalLM", "StoppedThreadLlamaForCausalLM", "RemovedTmpFileLlamaForCausalLM",
+         "UnlinkedShmSegmentLlamaForCausalLM")
 FANOTIFY = _has_pids()  # None where fanotify names the process that made an entry
 
 # Makes a file in each directory of argv[2:] every 50 ms, each named argv[1]-N, and keeps the last 20 of each.
@@ -56,8 +58,9 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ZooSessi
     tag = f"ec-test-{uuid.uuid4().hex[:8]}"
     run_dir = shared_dir(tmp_path_factory) / "zoo-session-leftovers"  # the session's working directory
     run_dir.mkdir(exist_ok=True)
-    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR, f"zoo-neighbour-{tag}", "/tmp", str(run_dir)],
-                                 stdout=subprocess.PIPE, text=True)
+    # its files in /dev/shm are shared-memory segments another program made and left unheld meanwhile
+    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR, f"zoo-neighbour-{tag}", "/tmp", str(run_dir),
+                                  "/dev/shm"], stdout=subprocess.PIPE, text=True)
     try:
         assert neighbour.stdout is not None and neighbour.stdout.readline() == "ready\n"
         yield zoo_session(tmp_path_factory, "leftovers", *ARGS, env={"ZOO_LEFTOVER_TAG": tag}), f"zoo-neighbour-{tag}"
@@ -65,7 +68,8 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ZooSessi
         neighbour.kill()
         neighbour.wait()
         for pattern in (f"/tmp/zoo-neighbour-{tag}-*", f"{run_dir}/zoo-neighbour-{tag}-*",
-                        f"/tmp/zoo-shard-layout-{tag}-*"):
+                        f"/dev/shm/zoo-neighbour-{tag}-*", f"/tmp/zoo-shard-layout-{tag}-*",
+                        f"/dev/shm/zoo-shard-layout-{tag}-*"):
             _remove(pattern)
 
 
@@ -95,6 +99,11 @@ def test_each_bug_fails_load_and_startup_naming_what_was_left(session: tuple[Zoo
         assert "non-daemon thread 'decode-stats-1' (target zoo.planted_leftovers._poll_stats)" in message
         assert "in _poll_stats\n    time.sleep(0.05)" in message  # its stack
     assert load["detail"]["kind"] == "unclean_shutdown"
+    load, startup = found["ShmSegmentLlamaForCausalLM"]
+    for message in (load["message"], startup):  # one segment per rank, whatever the neighbour made meanwhile
+        assert message.startswith("ShmSegmentLlamaForCausalLM started and shut down at tensor_parallel_size=2, but "
+                                  "left behind: shared-memory segments ['zoo-shard-layout-"), message
+        assert message.count("zoo-shard-layout-") == 2 and "zoo-neighbour" not in message, message
     load, startup = found["TmpFileLlamaForCausalLM"]
     if FANOTIFY is not None:  # not watched here: the pass says so instead
         assert load["outcome"] == "passed"

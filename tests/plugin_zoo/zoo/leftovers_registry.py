@@ -14,3 +14,7 @@ REGISTRY.register_model("StoppedThreadLlamaForCausalLM", "zoo.planted_leftovers:
 # a file written at build to a fixed path in /tmp, left there | its twin removes it
 REGISTRY.register_model("TmpFileLlamaForCausalLM", "zoo.planted_leftovers:TmpFileLlamaForCausalLM")
 REGISTRY.register_model("RemovedTmpFileLlamaForCausalLM", "zoo.planted_leftovers:RemovedTmpFileLlamaForCausalLM")
+# the same file as a shared-memory segment in /dev/shm, left there | its twin unlinks it
+REGISTRY.register_model("ShmSegmentLlamaForCausalLM", "zoo.planted_leftovers:ShmSegmentLlamaForCausalLM")
+REGISTRY.register_model("UnlinkedShmSegmentLlamaForCausalLM",
+                        "zoo.planted_leftovers:UnlinkedShmSegmentLlamaForCausalLM")

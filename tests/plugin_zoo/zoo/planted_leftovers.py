@@ -4,7 +4,8 @@ leftovers.py), each in layer 1 (not layer 0) of the tiny 2-layer Llama, each bes
 - a helper process started at the first decode step at TP > 1, never waited for (twin: one it waits for);
 - a non-daemon thread started at the first decode step at TP > 1, never stopped (twin: a daemon thread it stops and
   joins at the next decode step);
-- a file written at build to a fixed path in /tmp, never removed (twin: one it removes once it read it back).
+- a file written at build to a fixed path in /tmp, never removed (twin: one it removes once it read it back);
+- the same file as a POSIX shared-memory segment in /dev/shm (shm_open's directory), never unlinked (twin: unlinked).
 
 The decode-time ones are invisible to a check that starts an engine without requests (the profile run and the
 prefill are no decode step) or only at TP=1. The /tmp file bypasses the engine's private temp dir (tempfile's). Its
@@ -35,9 +36,10 @@ TAG_VARIABLE = "ZOO_LEFTOVER_TAG"
 HELPER = "import time; time.sleep(60)  # zoo leftover helper"
 
 
-def layout_path() -> str:
-    """The fixed /tmp path a build writes its shard layout to (with this session's tag and this process's pid)."""
-    return f"/tmp/zoo-shard-layout-{os.environ.get(TAG_VARIABLE, 'untagged')}-{os.getpid()}.json"
+def layout_path(directory: str = "/tmp") -> str:
+    """The fixed path in ``directory`` a build writes its shard layout to (with this session's tag and this process's
+    pid)."""
+    return f"{directory}/zoo-shard-layout-{os.environ.get(TAG_VARIABLE, 'untagged')}-{os.getpid()}.json"
 
 
 def decoding_at_tp() -> bool:
@@ -106,13 +108,14 @@ class StoppedThreadMLP(LlamaMLP):
 class LayoutFileDecoderLayer(LlamaDecoderLayer):
     """Layer 1 writes its shard layout to a fixed path in /tmp when built, and leaves it there."""
 
+    directory: ClassVar[str] = "/tmp"
     remove: ClassVar[bool] = False
 
     def __init__(self, config: HFConfig, layer_idx: int, quant_config: QuantizationConfig | None = None,
                  prefix: str = "") -> None:
         super().__init__(config, layer_idx, quant_config, prefix)
         if layer_idx == 1:
-            path = layout_path()
+            path = layout_path(self.directory)
             with open(path, "w") as f:
                 f.write(f'{{"tp": {get_tp_group().world_size}}}')
             if self.remove:
@@ -123,6 +126,18 @@ class LayoutFileDecoderLayer(LlamaDecoderLayer):
 
 class RemovedFileDecoderLayer(LayoutFileDecoderLayer):
     """Twin: the same file, removed once read back."""
+
+    remove = True
+
+
+class ShmLayoutDecoderLayer(LayoutFileDecoderLayer):
+    """The same layout as a shared-memory segment (a file in /dev/shm, as shm_open makes one), never unlinked."""
+
+    directory = "/dev/shm"
+
+
+class UnlinkedShmLayoutDecoderLayer(ShmLayoutDecoderLayer):
+    """Twin: the same segment, unlinked once read back."""
 
     remove = True
 
@@ -187,3 +202,17 @@ class RemovedTmpFileLlamaForCausalLM(LlamaForCausalLM):
 
     decoder_layer_cls = RemovedFileDecoderLayer
     example_config: ClassVar[dict] = _example("RemovedTmpFileLlamaForCausalLM")
+
+
+class ShmSegmentLlamaForCausalLM(LlamaForCausalLM):
+    """Bug: a shared-memory segment at a fixed name, written at build and never unlinked."""
+
+    decoder_layer_cls = ShmLayoutDecoderLayer
+    example_config: ClassVar[dict] = _example("ShmSegmentLlamaForCausalLM")
+
+
+class UnlinkedShmSegmentLlamaForCausalLM(LlamaForCausalLM):
+    """Twin: the same segment, unlinked once read back."""
+
+    decoder_layer_cls = UnlinkedShmLayoutDecoderLayer
+    example_config: ClassVar[dict] = _example("UnlinkedShmSegmentLlamaForCausalLM")
