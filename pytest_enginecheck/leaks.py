@@ -266,7 +266,8 @@ class ResourceSnapshot:
             new_shm &= unowned_shm_entries()
         if new_shm and before.shm_watch is not None:
             foreign, inodes = before.shm_watch.seen(), _inodes(SHM_DIR)
-            new_shm = {name for name in new_shm if inodes.get(name) not in foreign}
+            # one removed meanwhile (its maker, still running, unlinked it) is gone, not left behind
+            new_shm = {name for name in new_shm if name in inodes and inodes[name] not in foreign}
         if new_shm:
             leaks.append(f"shared-memory segments {sorted(new_shm)} in /dev/shm")
         return leaks
