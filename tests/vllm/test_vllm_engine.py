@@ -191,3 +191,35 @@ def test_every_engine_check_fails_on_what_its_engine_left(in_child: Any, tmp_pat
     # the whole command line (this test's own id, in its xdist worker's title, has the words too)
     running = subprocess.run(["pgrep", "-f", "^sleep 613$"], capture_output=True, text=True).stdout.split()
     assert not running, f"the helper process was left running: {running}"
+
+
+def _spawned_and_left(workdir: str) -> tuple[list[str], float, list[list[int]]]:
+    """Start EctpSlowExitForCausalLM in vLLM's own layout at TP=1, watched as every check's start is: (what it left,
+    the seconds its shutdown took, its tokens)."""
+    import json
+    import os
+    from pathlib import Path
+
+    from pytest_enginecheck.targets.vllm.checkpoints.tiny import make_tiny_checkpoint
+    from pytest_enginecheck.targets.vllm.checks import leftovers
+    from pytest_enginecheck.targets.vllm.engine.run import run_engine
+
+    os.environ["VLLM_PLUGINS"] = "slow_exit"  # loaded in vLLM's spawned processes too
+    ckpt = make_tiny_checkpoint("LlamaForCausalLM", Path(workdir) / "slow-exit")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "architectures": ["EctpSlowExitForCausalLM"]}))
+    try:
+        with leftovers.watched() as left:
+            run = run_engine(str(ckpt), 1, "spawn", timeout=240.0)
+    finally:
+        leftovers.release()
+    return left, run.seconds["shutdown"], run.tokens
+
+
+def test_vllms_own_layout_gives_a_slow_clean_exit_the_shutdown_grace(in_child: Any, tmp_path: Any) -> None:
+    """A model whose process takes 7 s to exit cleanly (past vLLM's default 5 s, within the check's 10 s grace) leaves
+    nothing in vLLM's spawned layout: vLLM's SIGKILL after its own 5 s left the engine core's /dev/shm queues."""
+    left, shutdown_s, tokens = in_child(_spawned_and_left, str(tmp_path), timeout=600.0)
+    assert left == [], left
+    assert shutdown_s >= 7.0, shutdown_s  # the slow exit was waited for, not cut short
+    assert all(tokens), tokens

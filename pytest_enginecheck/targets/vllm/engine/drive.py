@@ -7,6 +7,7 @@ phase and rank (``failures.classify``).
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from pytest_enginecheck.targets.vllm.checkpoints.reading import special_ids, voc
 from pytest_enginecheck.targets.vllm.env import BLOCK_SIZE, ENGINE_ARGS, MAX_MODEL_LEN
 from pytest_enginecheck.targets.vllm.failures import EngineFailure, classify
 from pytest_enginecheck.targets.vllm.probe import VllmUnavailable, engine_api, find, logprobs_api
+
+SHUTDOWN_GRACE_S = 10.0  # for all ranks together, from the last answer: how long they may take to exit by themselves
 
 MAX_TOKENS = 6
 LOGPROBS = 20  # top-k log-probabilities per position: vLLM's default max_logprobs, so no engine argument changes
@@ -177,7 +180,7 @@ def drive(ckpt: str, tp: int, mode: str, rank: int, extra: dict[str, Any], work:
         raise EngineStartError(classify(e, rank), str(e)) from None
     finally:
         mark = time.perf_counter()
-        shutdown(llm)
+        shutdown(llm, SHUTDOWN_GRACE_S)
         seconds["shutdown"] = time.perf_counter() - mark
     return EngineRun(tp, mode, tokens, memory, seconds, captures=captures, logprobs=logprobs,
                      logprobs_unavailable=unavailable, lora_tokens=lora_tokens,
@@ -200,11 +203,17 @@ def lora_request(adapter: str) -> Any:
     return find(LORA_REQUEST, "the lora check asks for its adapter with")("enginecheck", 1, adapter)
 
 
-def shutdown(llm: Any) -> None:
-    """Stop vLLM's engine core (and its processes) and this process's distributed state."""
+def shutdown(llm: Any, grace_s: float) -> None:
+    """Stop vLLM's engine core (and its processes) and this process's distributed state. In vLLM's own layout its
+    engine-core process gets ``grace_s`` to stop its workers (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, run.py) and
+    as long again to exit, where the release takes a timeout (vLLM's default is 5 s): on two busy cores a clean
+    engine core outlived 5 s, was SIGKILLed by vLLM and left its shared-memory queues in /dev/shm."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
+        if "timeout" in inspect.signature(core.shutdown).parameters:
+            core.shutdown(timeout=2 * grace_s)
+        else:
+            core.shutdown()
     cleanup = engine_api().cleanup
     if cleanup is not None:
         cleanup()

@@ -22,7 +22,13 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from pytest_enginecheck.targets.vllm.engine.drive import EngineRun, EngineStartError, EngineWork, drive
+from pytest_enginecheck.targets.vllm.engine.drive import (
+    SHUTDOWN_GRACE_S,
+    EngineRun,
+    EngineStartError,
+    EngineWork,
+    drive,
+)
 from pytest_enginecheck.targets.vllm.failures import EngineFailure, classify
 from pytest_enginecheck.targets.vllm.probe import engine_api
 
@@ -30,7 +36,6 @@ if TYPE_CHECKING:
     from engine_ref.isolation import AnswerWait, Deadline, WarmProcess
 
 
-SHUTDOWN_GRACE_S = 10.0  # for all ranks together, from the last answer: how long they may take to exit by themselves
 SHM_DIR = "/dev/shm"
 SHM_MARK = "-cpushm"  # in the names of vLLM's CpuCommunicator's shared-memory all-reduce segments (_CPUSHMDistributed)
 # vLLM's CPU all-reduce names its shared memory by TP rank alone (``-tp:0-[0-1]-cpushm_N``): two engines of TP>1 on one

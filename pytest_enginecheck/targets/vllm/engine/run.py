@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from pytest_enginecheck.targets.vllm.engine.drive import EngineRun, EngineWork, drive
+from pytest_enginecheck.targets.vllm.engine.drive import SHUTDOWN_GRACE_S, EngineRun, EngineWork, drive
 from pytest_enginecheck.targets.vllm.engine.ranks import run_ranks
 from pytest_enginecheck.targets.vllm.env import cpu_engine_env
 from pytest_enginecheck.targets.vllm.probe import engine_api, model_initializer
@@ -74,6 +74,7 @@ def run_engine(ckpt: str, tp: int, mode: str = "warm", timeout: float = 300.0,
     if mode == "spawn":
         # collective_rpc ships rank_memory (a function) to the engine-core process: vLLM's opt-in for pickling it.
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        os.environ["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] = str(int(SHUTDOWN_GRACE_S))  # drive.shutdown
         with _short_tmpdir():
             run = drive(ckpt, tp, mode, 0, dict(engine_args or {}), work or EngineWork())
     else:
