@@ -4,12 +4,14 @@ holds is."""
 from __future__ import annotations
 
 import ast
+import ctypes
 import os
 import re
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,21 @@ def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+@pytest.fixture
+def not_a_subreaper() -> Iterator[None]:
+    """This process not a child subreaper during the test (an engine check run earlier in this xdist worker made it
+    one, as ``watch_only_this_engine`` does): the double-forked program a test starts as another program's is then
+    re-parented to init, as another program's is, and not to this process, which would make it ours."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    was = ctypes.c_int(0)
+    libc.prctl(37, ctypes.byref(was), 0, 0, 0)  # PR_GET_CHILD_SUBREAPER
+    libc.prctl(36, 0, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    try:
+        yield
+    finally:
+        libc.prctl(36, was.value, 0, 0, 0)
+
 
 # A named POSIX semaphore made as multiprocessing makes its own: glibc's sem_open maps a temp file, then links it to
 # the name, so the holder's /proc/PID/maps names the temp file ("(deleted)"), never the semaphore's name.
@@ -103,7 +120,7 @@ time.sleep(0.5)
     pytest.param(FOREIGN, id="held"),
     pytest.param(FOREIGN_UNHELD, id="never-held", marks=pytest.mark.skipif(
         _has_pids() is not None, reason=f"fanotify names no process here: {_has_pids()}"))])
-@pytest.mark.usefixtures("private_tmp")
+@pytest.mark.usefixtures("private_tmp", "not_a_subreaper")
 def test_a_segment_another_program_made_and_left_while_the_engine_ran_is_not_the_engines_leak(program: str) -> None:
     path = f"/dev/shm/ec-test-foreign-{uuid.uuid4().hex[:8]}"
     before = ResourceSnapshot.take(watch=True)
