@@ -738,7 +738,7 @@ class EctpTempFileTwinForCausalLM(LlamaForCausalLM):
         self.ectp_scratch_file = tempfile.TemporaryFile()  # no name: gone with the rank
 '''
 
-# vLLM's own layout (spawned engine core and workers) on a busy machine: a Llama whose process takes 6 s more to exit
+# vLLM's own layout (spawned engine core and workers) on a busy machine: a Llama whose process takes 5 s more to exit
 # after vLLM's shutdown (an atexit handler: longer than vLLM's 5 s default grace, within the check's 10 s). Its exit
 # is clean, so the engine must leave nothing: vLLM's SIGKILL after its own 5 s left the engine core's shared-memory
 # queues in /dev/shm, a false alarm of the check (CI, KimiK25 in the spawned layout beside another engine).
@@ -750,7 +750,9 @@ def register():
     ModelRegistry.register_model("EctpSlowExitForCausalLM", "ectp.models.slow_exit:EctpSlowExitForCausalLM")
 '''
 SOURCES["ectp/models/slow_exit.py"] = "import atexit\nimport time\n\n" + _LLAMA + '''\
-EXIT_S = 6.0  # with vLLM's own teardown (2 s here) its worker exits about 8 s after the shutdown begins
+# At least 5 s after vLLM's SIGTERM to the engine core, which its default 5 s wait then cuts short: about 7 s here
+# with the worker's own teardown, well inside the 10 s grace also when a neighbour's engine slows it down.
+EXIT_S = 5.0
 
 
 _slowed = []  # once per process, however many times vLLM builds the model in it

@@ -217,10 +217,10 @@ def _spawned_and_left(workdir: str) -> tuple[list[str], float, list[list[int]]]:
 
 
 def test_vllms_own_layout_gives_a_slow_clean_exit_the_shutdown_grace(in_child: Any, tmp_path: Any) -> None:
-    """A model whose process takes 6 s more to exit cleanly (its worker about 8 s: past vLLM's default 5 s, within the
+    """A model whose process takes 5 s more to exit cleanly (its worker about 7 s: past vLLM's default 5 s, within the
     check's 10 s grace) leaves nothing in vLLM's spawned layout: vLLM's SIGKILL after its own 5 s left the engine
     core's /dev/shm queues."""
     left, shutdown_s, tokens = in_child(_spawned_and_left, str(tmp_path), timeout=600.0)
     assert left == [], left
-    assert shutdown_s >= 6.0, shutdown_s  # the slow exit was waited for, not cut short
+    assert shutdown_s >= 5.0, shutdown_s  # the model's exit was part of the shutdown
     assert all(tokens), tokens

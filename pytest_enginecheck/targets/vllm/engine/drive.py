@@ -205,13 +205,15 @@ def lora_request(adapter: str) -> Any:
 
 def shutdown(llm: Any, grace_s: float) -> None:
     """Stop vLLM's engine core (and its processes) and this process's distributed state. In vLLM's own layout its
-    engine-core process gets ``grace_s`` to stop its workers (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, run.py) and
-    as long again to exit, where the release takes a timeout (vLLM's default is 5 s): on two busy cores a clean
-    engine core outlived 5 s, was SIGKILLed by vLLM and left its shared-memory queues in /dev/shm."""
+    engine-core process gets ``grace_s`` to stop its workers (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, run.py), and
+    ``3 * grace_s`` in all to exit (that grace, vLLM's wait between its SIGTERM and SIGKILL of a worker, its own
+    teardown, all slower on a busy machine), where the release takes a timeout (vLLM's default is 5 s): on two busy
+    cores a clean engine core outlived 5 s, was SIGKILLed by vLLM and left its shared-memory queues in /dev/shm. The
+    wait ends as soon as the engine core exits, so only an engine core that hangs waits it out."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
         if "timeout" in inspect.signature(core.shutdown).parameters:
-            core.shutdown(timeout=2 * grace_s)
+            core.shutdown(timeout=3 * grace_s)
         else:
             core.shutdown()
     cleanup = engine_api().cleanup
