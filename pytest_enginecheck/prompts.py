@@ -53,7 +53,7 @@ def prompt_lengths(block_size: int, max_model_len: int, max_tokens: int) -> list
     middle = max(1, max_model_len // 2 // block_size) * block_size
     wanted = [SHORT, block_size - before, block_size + 1, middle - 1, longest]
     lengths = [min(max(n, 1), longest) for n in wanted]
-    return [n - 1 if n % block_size == 0 and n > 1 else n for n in lengths]
+    return [n - 1 if n % block_size == 0 and n > 1 and block_size > 1 else n for n in lengths]  # 1 divides any n
 
 
 def special_token_ids(config: Mapping[str, Any]) -> set[int]:
