@@ -180,7 +180,7 @@ def drive(ckpt: str, tp: int, mode: str, rank: int, extra: dict[str, Any], work:
         raise EngineStartError(classify(e, rank), str(e)) from None
     finally:
         mark = time.perf_counter()
-        shutdown(llm, SHUTDOWN_GRACE_S)
+        shutdown(llm)
         seconds["shutdown"] = time.perf_counter() - mark
     return EngineRun(tp, mode, tokens, memory, seconds, captures=captures, logprobs=logprobs,
                      logprobs_unavailable=unavailable, lora_tokens=lora_tokens,
@@ -203,17 +203,17 @@ def lora_request(adapter: str) -> Any:
     return find(LORA_REQUEST, "the lora check asks for its adapter with")("enginecheck", 1, adapter)
 
 
-def shutdown(llm: Any, grace_s: float) -> None:
+def shutdown(llm: Any) -> None:
     """Stop vLLM's engine core (and its processes) and this process's distributed state. In vLLM's own layout its
-    engine-core process gets ``grace_s`` to stop its workers (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, run.py), and
-    ``3 * grace_s`` in all to exit (that grace, vLLM's wait between its SIGTERM and SIGKILL of a worker, its own
+    engine-core process gets SHUTDOWN_GRACE_S to stop its workers (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, run.py),
+    and three times that in all to exit (that grace, vLLM's wait between its SIGTERM and SIGKILL of a worker, its own
     teardown, all slower on a busy machine), where the release takes a timeout (vLLM's default is 5 s): on two busy
     cores a clean engine core outlived 5 s, was SIGKILLed by vLLM and left its shared-memory queues in /dev/shm. The
     wait ends as soon as the engine core exits, so only an engine core that hangs waits it out."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
         if "timeout" in inspect.signature(core.shutdown).parameters:
-            core.shutdown(timeout=3 * grace_s)
+            core.shutdown(timeout=3 * SHUTDOWN_GRACE_S)
         else:
             core.shutdown()
     cleanup = engine_api().cleanup
