@@ -75,11 +75,15 @@ def test_a_semaphore_another_process_holds_is_not_a_leak_until_it_is_gone(procs)
 
 # Another program, outside this process's tree (a new session whose parent has exited), that creates a segment,
 # holds it for a while and leaves it behind unheld: vLLM's ranks leaving by os._exit do this with their all-reduce
-# segments.
+# segments. It makes the segment only once it has been re-parented: until its parent exits it is still this process's
+# grandchild, and what it made then would rightly be ours (the watch looks its maker up as soon as the event comes).
 FOREIGN = """
 import os, sys, time
+parent = os.getpid()
 if os.fork():
     os._exit(0)
+while os.getppid() == parent:
+    time.sleep(0.001)
 fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
 time.sleep(0.5)
 os.close(fd)
@@ -109,8 +113,11 @@ def _gone(path: str, seconds: float = 30.0) -> None:
 # kernel names its maker (fanotify), which is still running, outside this tree, when the watch reads the event.
 FOREIGN_UNHELD = """
 import os, sys, time
+parent = os.getpid()
 if os.fork():
     os._exit(0)
+while os.getppid() == parent:
+    time.sleep(0.001)
 os.close(os.open(sys.argv[1], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
 time.sleep(0.5)
 """
