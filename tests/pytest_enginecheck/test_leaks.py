@@ -28,6 +28,7 @@ def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
+
 @pytest.fixture
 def not_a_subreaper() -> Iterator[None]:
     """This process not a child subreaper during the test (an engine check run earlier in this xdist worker made it
@@ -77,13 +78,15 @@ def test_a_semaphore_another_process_holds_is_not_a_leak_until_it_is_gone(procs)
 # holds it for a while and leaves it behind unheld: vLLM's ranks leaving by os._exit do this with their all-reduce
 # segments. It makes the segment only once it has been re-parented: until its parent exits it is still this process's
 # grandchild, and what it made then would rightly be ours (the watch looks its maker up as soon as the event comes).
-FOREIGN = """
+OUTSIDE_THIS_TREE = """
 import os, sys, time
 parent = os.getpid()
 if os.fork():
     os._exit(0)
 while os.getppid() == parent:
     time.sleep(0.001)
+"""
+FOREIGN = OUTSIDE_THIS_TREE + """
 fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
 time.sleep(0.5)
 os.close(fd)
@@ -111,13 +114,7 @@ def _gone(path: str, seconds: float = 30.0) -> None:
 
 # The same program leaving its segment unheld at once (created and closed): no look of the watch sees it held, but the
 # kernel names its maker (fanotify), which is still running, outside this tree, when the watch reads the event.
-FOREIGN_UNHELD = """
-import os, sys, time
-parent = os.getpid()
-if os.fork():
-    os._exit(0)
-while os.getppid() == parent:
-    time.sleep(0.001)
+FOREIGN_UNHELD = OUTSIDE_THIS_TREE + """
 os.close(os.open(sys.argv[1], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
 time.sleep(0.5)
 """
